@@ -1,0 +1,17 @@
+# The two commands of the README. Each sets up .venv (once) and runs.
+PY := .venv/bin/python
+ARGS ?=
+
+.PHONY: train test setup bench clean
+
+setup:
+	@scripts/bootstrap.sh
+
+train: setup
+	$(PY) -m jmamba.train_char_lm $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf .venv .pytest_cache runs

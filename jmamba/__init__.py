@@ -1,0 +1,18 @@
+"""jmamba: a functional JAX/Pallas training library for Mamba-1 and Mamba-3 SISO backbones.
+
+Public entry points (see API.md): configs and Flax NNX modules, the `ops` kernel boundary, the
+functional `TrainState` / `make_train_step`, the LM wrapper, generation and weight I/O.
+"""
+
+from jmamba import ops
+from jmamba.generate import generate
+from jmamba.io.safetensors_io import load_safetensors, save_safetensors
+from jmamba.lm import MambaLM, MambaLMConfig
+from jmamba.mamba1 import Mamba1Backbone, Mamba1Config, Mamba1LayerState, Mamba1Mixer
+from jmamba.training.train_state import TrainState
+from jmamba.training.train_step import make_train_step
+
+__all__ = [
+    "Mamba1Backbone", "Mamba1Config", "Mamba1LayerState", "Mamba1Mixer", "MambaLM", "MambaLMConfig",
+    "TrainState", "generate", "load_safetensors", "make_train_step", "ops", "save_safetensors",
+]

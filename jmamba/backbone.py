@@ -1,0 +1,142 @@
+"""`ResidualBackbone`: the pre-norm residual stack shared by the Mamba-1 and Mamba-3 backbones.
+
+    h_0     = x · W_ip + b_ip              (or x itself when input_dim is None)
+    h_{l+1} = h_l + Mixer_l(RMSNorm_l(h_l))     residual stream kept in float32
+    y       = RMSNorm_f(h_L)                    float32 output [Bt, T, d_model]
+
+The mixer class is the only architecture-specific part; it must provide `__call__(x, state, *, reset)`,
+`step(x_t, state)` and `init_state(batch)`. The mixers see activations in the compute dtype
+(`compute_dtype`, default float32); norms, residual and the output stay float32.
+
+State across windows: `__call__` starts from the given state and returns the state after the last
+token. With `truncate_bptt=True` (default, as mamba-rs) no gradient flows into the incoming state;
+`truncate_bptt=False` differentiates through it (exact BPTT when windows are chained in one program).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmamba.dtypes import accum_dtype
+from jmamba.layers.dense import Dense
+from jmamba.layers.rmsnorm import RMSNorm
+from jmamba.ops.selective_scan.common import reset_from_row_mask
+from jmamba.ops.validation import check_bool_mask, check_float, shape_of
+
+f32 = jnp.float32
+
+
+class ResidualBlock(nnx.Module):
+    """RMSNorm → mixer; the caller adds the residual."""
+
+    def __init__(self, cfg, mixer_cls, *, rngs: nnx.Rngs):
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = mixer_cls(cfg, rngs=rngs)
+
+
+class ResidualBackbone(nnx.Module):
+    """Input projection → n_layers pre-norm residual blocks → final RMSNorm."""
+
+    mixer_cls = None  # set by subclasses
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        cfg.validate()
+        self.config = cfg
+        self.input_proj = (None if cfg.input_dim is None else
+                           Dense(cfg.input_dim, cfg.d_model, use_bias=True, rngs=rngs))
+        self.layers = nnx.List([ResidualBlock(cfg, self.mixer_cls, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+    # ----------------------------------------------------------------------------------------- state
+    def init_state(self, batch: int):
+        """Zero recurrent state: a tuple with one per-layer state (see the mixer) per layer."""
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
+            raise ValueError(f"batch must be a positive int, got {batch!r}")
+        return tuple(layer.mixer.init_state(batch) for layer in self.layers)
+
+    def check_state(self, state, batch: int):
+        """Raises ValueError/TypeError unless `state` matches `init_state(batch)` in structure, shape, dtype.
+
+        (float64 states are accepted too, for float64 gradient checks.)
+        """
+        want = jax.eval_shape(lambda: self.init_state(batch))
+        if not isinstance(state, tuple) or len(state) != len(want):
+            raise ValueError(f"state must be a tuple of {len(want)} per-layer states (init_state(batch)), "
+                             f"got {type(state).__name__}" + (f" of length {len(state)}" if isinstance(state, tuple) else ""))
+        for i, (got_l, want_l) in enumerate(zip(state, want)):
+            if type(got_l) is not type(want_l):
+                raise TypeError(f"state[{i}] must be a {type(want_l).__name__}, got {type(got_l).__name__}")
+            for field in want_l._fields:
+                g, w = getattr(got_l, field), getattr(want_l, field)
+                if shape_of(g) != w.shape:
+                    raise ValueError(f"state[{i}].{field} must have shape {w.shape}, got {shape_of(g)}")
+                if jnp.result_type(g) not in (w.dtype, jnp.float64):   # float64 only for x64 gradient checks
+                    raise TypeError(f"state[{i}].{field} must have dtype {w.dtype}, got {jnp.result_type(g)}")
+
+    # ------------------------------------------------------------------------------------- forward
+    def _check_input(self, x, ndim):
+        check_float("x", x)
+        want = self.config.backbone_input_dim
+        s = shape_of(x)
+        if len(s) != ndim or s[-1] != want:
+            what = "[batch, seqlen, %d]" if ndim == 3 else "[batch, %d]"
+            raise ValueError(f"x must have shape {what % want} (input_dim), got {s}")
+
+    def _embed(self, x):
+        acc = accum_dtype(x.dtype)   # the residual stream: float32 (float64 for x64 checks)
+        return x.astype(acc) if self.input_proj is None else self.input_proj(x.astype(acc))
+
+    def __call__(self, x, state=None, *, reset=None, compute_dtype=None, truncate_bptt: bool = True):
+        """Runs a window of T steps.
+
+        Args:
+          x: [Bt, T, input_dim] float.
+          state: recurrent state from `init_state` / a previous call (None = zeros).
+          reset: optional [Bt] or [Bt, T] bool mask zeroing the state entering a row (at a position).
+          compute_dtype: dtype of the mixers' matmuls and activations (default float32).
+          truncate_bptt: stop gradients into the incoming state (default True).
+
+        Returns:
+          (y [Bt, T, d_model] float32, new_state).
+        """
+        self._check_input(x, 3)
+        bsz, seqlen = shape_of(x)[:2]
+        if state is None:
+            state = self.init_state(bsz)
+        else:
+            self.check_state(state, bsz)
+            if truncate_bptt:
+                state = jax.lax.stop_gradient(state)
+        if reset is not None:
+            check_bool_mask("reset", reset, [(bsz,), (bsz, seqlen)], "[batch] or [batch, seqlen]")
+            reset = reset_from_row_mask(reset, bsz, seqlen)
+        cdt = jnp.dtype(compute_dtype or f32)
+        h = self._embed(x)
+        new_state = []
+        for layer, s in zip(self.layers, state):
+            out, s = layer.mixer(layer.norm(h, cdt), s, reset=reset)
+            h = h + out.astype(h.dtype)
+            new_state.append(s)
+        return self.norm_f(h, h.dtype), tuple(new_state)
+
+    def step(self, x_t, state, *, reset=None, compute_dtype=None):
+        """Single-token decode: x_t [Bt, input_dim] -> (y_t [Bt, d_model] float32, new_state).
+
+        `reset` is an optional [Bt] bool mask zeroing the state of a row before this token.
+        """
+        self._check_input(x_t, 2)
+        bsz = shape_of(x_t)[0]
+        self.check_state(state, bsz)
+        if reset is not None:
+            check_bool_mask("reset", reset, [(bsz,)], "[batch]")
+            state = jax.tree.map(lambda a: jnp.where(reset.reshape((bsz,) + (1,) * (a.ndim - 1)), 0, a), state)
+        cdt = jnp.dtype(compute_dtype or f32)
+        h = self._embed(x_t)
+        new_state = []
+        for layer, s in zip(self.layers, state):
+            out, s = layer.mixer.step(layer.norm(h, cdt), s)
+            h = h + out.astype(h.dtype)
+            new_state.append(s)
+        return self.norm_f(h, h.dtype), tuple(new_state)

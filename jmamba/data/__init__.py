@@ -1,0 +1,1 @@
+"""Data for the examples: an embedded byte-level corpus and stateful window streams."""

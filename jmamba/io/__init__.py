@@ -1,0 +1,1 @@
+"""Saving and loading weights and checkpoints."""

@@ -1,0 +1,1 @@
+"""Small building blocks shared by the Mamba-1 and Mamba-3 layers."""

@@ -1,0 +1,100 @@
+"""`MambaLM`: token embedding → Mamba backbone → LM head (tied to the embedding or separate).
+
+    h      = Embed(input_ids)                     [B, T, D]   float32 table, N(0, 0.02) init
+    y      = backbone(h)                          [B, T, D]   float32 (post final norm)
+    logits = y · Embᵀ  (tied)  or  y · W_head     [B, T, V]   float32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmamba.dtypes import accum_dtype
+from jmamba.layers.dense import Dense
+from jmamba.mamba1.backbone import Mamba1Backbone
+from jmamba.mamba1.config import Mamba1Config
+from jmamba.ops.validation import shape_of
+
+f32 = jnp.float32
+
+# Backbone class for each config class; other architectures register here.
+BACKBONES: dict[type, type] = {Mamba1Config: Mamba1Backbone}
+
+
+@dataclasses.dataclass(frozen=True)
+class MambaLMConfig:
+    """What builds a `MambaLM`: the backbone config, the vocabulary size and the head tying."""
+
+    backbone: Any
+    vocab_size: int
+    tie_embeddings: bool = True
+
+    arch = "lm"
+
+    def validate(self) -> "MambaLMConfig":
+        if type(self.backbone) not in BACKBONES:
+            raise TypeError(f"backbone config must be one of {[c.__name__ for c in BACKBONES]}, "
+                            f"got {type(self.backbone).__name__}")
+        self.backbone.validate()
+        if self.backbone.input_dim is not None:
+            raise ValueError(f"backbone_cfg.input_dim must be None for an LM (the embedding feeds the "
+                             f"backbone), got {self.backbone.input_dim}")
+        if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size <= 0:
+            raise ValueError(f"vocab_size must be a positive int, got {self.vocab_size!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+        return self
+
+
+class MambaLM(nnx.Module):
+    """Language model around a Mamba-1 or Mamba-3 backbone.
+
+    Parameters: `embedding [V, D]`, `backbone.*`, and `lm_head.kernel [D, V]` when untied.
+    """
+
+    def __init__(self, backbone_cfg, vocab_size: int, *, tie_embeddings: bool = True,
+                 initializer_range: float = 0.02, rngs: nnx.Rngs):
+        self.config = MambaLMConfig(backbone_cfg, vocab_size, tie_embeddings).validate()
+        D = backbone_cfg.d_model
+        self.embedding = nnx.Param(initializer_range * jax.random.normal(rngs.params(), (vocab_size, D), f32))
+        self.backbone = BACKBONES[type(backbone_cfg)](backbone_cfg, rngs=rngs)
+        self.lm_head = None if tie_embeddings else Dense(D, vocab_size, rngs=rngs)
+
+    def init_state(self, batch: int):
+        return self.backbone.init_state(batch)
+
+    def _check_ids(self, ids, ndim):
+        s = shape_of(ids)
+        if len(s) != ndim or not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
+            what = "[batch, seqlen]" if ndim == 2 else "[batch]"
+            raise ValueError(f"input_ids must be an integer array of shape {what}, got shape {s} "
+                             f"dtype {jnp.result_type(ids)}")
+
+    def _logits(self, y, cdt):
+        if self.lm_head is None:
+            w = self.embedding[...].astype(cdt)
+            logits = jnp.einsum("...d,vd->...v", y.astype(cdt), w)
+        else:
+            logits = self.lm_head(y.astype(cdt))
+        return logits.astype(accum_dtype(logits.dtype))
+
+    def __call__(self, input_ids, state=None, *, reset=None, compute_dtype=None, truncate_bptt=True):
+        """input_ids [B, T] int -> (logits [B, T, V] float32, new_state)."""
+        self._check_ids(input_ids, 2)
+        cdt = jnp.dtype(compute_dtype or f32)
+        h = jnp.take(self.embedding[...], input_ids, axis=0)
+        y, state = self.backbone(h, state, reset=reset, compute_dtype=cdt, truncate_bptt=truncate_bptt)
+        return self._logits(y, cdt), state
+
+    def step(self, token_ids, state, *, compute_dtype=None):
+        """token_ids [B] int -> (logits [B, V] float32, new_state)."""
+        self._check_ids(token_ids, 1)
+        cdt = jnp.dtype(compute_dtype or f32)
+        h = jnp.take(self.embedding[...], token_ids, axis=0)
+        y, state = self.backbone.step(h, state, compute_dtype=cdt)
+        return self._logits(y, cdt), state

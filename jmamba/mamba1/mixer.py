@@ -1,0 +1,118 @@
+"""`Mamba1Mixer`: one Mamba-1 (S6) mixer layer, no residual and no norm (spec/mamba1.md §3.3).
+
+    xz = x_in · W_in                    [Bt, T, 2E] -> x, z
+    c  = causal_conv(S_conv ++ x)       [Bt, T, E]
+    u  = silu(c)
+    Δin, B, C = split(u · W_x, [R, N, N])
+    y  = selective_scan(u, Δin · W_dt, A = −exp(A_log), B, C, D, z, delta_bias = b_dt, softplus)
+    out = y · W_out                     [Bt, T, D]
+
+Precision: the matmuls run in the dtype of `x_in` (the compute dtype); conv, A, Δ softplus, the scan
+state and its accumulation are float32. The recurrent state (`Mamba1LayerState`) is float32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmamba import ops
+from jmamba.dtypes import accum_dtype
+from jmamba.layers.causal_conv import CausalConv1d
+from jmamba.layers.dense import Dense
+from jmamba.layers.initializers import inverse_softplus_dt_bias, uniform
+from jmamba.mamba1.config import Mamba1Config
+from jmamba.ops.selective_scan.common import softplus_thresholded
+
+f32 = jnp.float32
+
+
+class Mamba1LayerState(NamedTuple):
+    """Recurrent state of one Mamba-1 layer.
+
+    Attributes:
+      conv: [Bt, K-1, E] float32, the last K-1 pre-conv inputs x, oldest first.
+      ssm: [Bt, E, N] float32, the scan state h.
+    """
+
+    conv: jax.Array
+    ssm: jax.Array
+
+
+class Mamba1Mixer(nnx.Module):
+    """One Mamba-1 mixer with the official init (spec/mamba1.md §2.2)."""
+
+    def __init__(self, cfg: Mamba1Config, *, rngs: nnx.Rngs):
+        cfg.validate()
+        self.config = cfg
+        D, E, N, R = cfg.d_model, cfg.d_inner, cfg.d_state, cfg.resolved_dt_rank
+        self.in_proj = Dense(D, 2 * E, rngs=rngs)
+        self.conv1d = CausalConv1d(E, cfg.d_conv, use_bias=cfg.conv_bias, rngs=rngs)
+        self.x_proj = Dense(E, R + 2 * N, rngs=rngs)
+        self.dt_proj = Dense(R, E, use_bias=True, rngs=rngs)
+        s = R ** -0.5 * cfg.dt_scale
+        w = uniform(rngs.params(), (R, E), s) if cfg.dt_init == "random" else jnp.full((R, E), s, f32)
+        self.dt_proj.kernel = nnx.Param(w)
+        self.dt_proj.bias = nnx.Param(
+            inverse_softplus_dt_bias(rngs.params(), (E,), cfg.dt_min, cfg.dt_max, cfg.dt_init_floor))
+        self.A_log = nnx.Param(jnp.log(jnp.broadcast_to(jnp.arange(1, N + 1, dtype=f32), (E, N))))
+        self.D = nnx.Param(jnp.ones((E,), f32))
+        scale = cfg.n_layers ** -0.5 if cfg.rescale_out_proj else 1.0
+        self.out_proj = Dense(E, D, init_scale=scale, rngs=rngs)
+
+    def init_state(self, batch: int) -> Mamba1LayerState:
+        cfg = self.config
+        return Mamba1LayerState(conv=jnp.zeros((batch, cfg.d_conv - 1, cfg.d_inner), f32),
+                                ssm=jnp.zeros((batch, cfg.d_inner, cfg.d_state), f32))
+
+    def _split_x_dbl(self, u):
+        R, N = self.config.resolved_dt_rank, self.config.d_state
+        x_dbl = self.x_proj(u)
+        return x_dbl[..., :R], x_dbl[..., R:R + N], x_dbl[..., R + N:]
+
+    def __call__(self, x, state: Mamba1LayerState | None = None, *, reset=None):
+        """Mixes a window.
+
+        Args:
+          x: [Bt, T, D] normalized input, in the compute dtype.
+          state: incoming state (zeros when None).
+          reset: optional [Bt, T] bool; True zeroes the state entering position t.
+
+        Returns:
+          (out [Bt, T, D] in x.dtype, new state).
+        """
+        E = self.config.d_inner
+        if state is None:
+            state = self.init_state(x.shape[0])
+        xz = self.in_proj(x)
+        xs, z = xz[..., :E], xz[..., E:]
+        c, conv_state = self.conv1d(xs, state.conv, reset)
+        u = jax.nn.silu(c).astype(x.dtype)
+        dt_in, Bm, Cm = self._split_x_dbl(u)
+        delta = jnp.dot(dt_in, self.dt_proj.kernel[...].astype(x.dtype))
+        A = -jnp.exp(self.A_log[...].astype(accum_dtype(self.A_log.dtype)))
+        y, ssm_state = ops.selective_scan(
+            u, delta, A, Bm, Cm, D=self.D[...], z=z, delta_bias=self.dt_proj.bias[...],
+            delta_softplus=True, initial_state=state.ssm, return_final_state=True, reset=reset)
+        return self.out_proj(y), Mamba1LayerState(conv=conv_state, ssm=ssm_state)
+
+    def step(self, x_t, state: Mamba1LayerState):
+        """Single-token decode (spec §4.2). x_t: [Bt, D] -> (out [Bt, D], new state)."""
+        E = self.config.d_inner
+        f32 = accum_dtype(x_t.dtype, self.A_log.dtype)
+        xz = self.in_proj(x_t)
+        xs, z = xz[..., :E], xz[..., E:]
+        c, conv_state = self.conv1d.step(xs, state.conv)
+        u = jax.nn.silu(c).astype(x_t.dtype)
+        dt_in, Bm, Cm = self._split_x_dbl(u)
+        delta_raw = jnp.dot(dt_in, self.dt_proj.kernel[...].astype(x_t.dtype)).astype(f32) + self.dt_proj.bias[...].astype(f32)
+        delta = softplus_thresholded(delta_raw)                                   # [Bt, E]
+        A = -jnp.exp(self.A_log[...].astype(f32))
+        uf = u.astype(f32)
+        h = jnp.exp(delta[:, :, None] * A) * state.ssm + (delta * uf)[:, :, None] * Bm.astype(f32)[:, None, :]
+        y = jnp.sum(h * Cm.astype(f32)[:, None, :], axis=-1) + self.D[...].astype(f32) * uf
+        y = (y * jax.nn.silu(z.astype(f32))).astype(x_t.dtype)
+        return self.out_proj(y), Mamba1LayerState(conv=conv_state, ssm=h)

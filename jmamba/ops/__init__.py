@@ -1,0 +1,8 @@
+"""The kernel boundary: every op the models call, each with several implementations.
+
+`implementation=None` picks the best available on the current backend (see `dispatch`).
+"""
+
+from jmamba.ops.selective_scan import selective_scan
+
+__all__ = ["selective_scan"]

@@ -1,0 +1,41 @@
+"""Argument checks shared by the ops: clear `TypeError`/`ValueError`s naming the argument."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
+
+
+def shape_of(x):
+    return tuple(np.shape(x))
+
+
+def check_float(name, x):
+    dt = jnp.result_type(x)
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"{name} must be a floating array (float32/bfloat16/float16), got dtype {dt}")
+
+
+def check_array(name, x, shape, what):
+    """`x` must be floating with exactly `shape` (None entries match anything)."""
+    if x is None:
+        raise TypeError(f"{name} must be an array of shape {what}, got None")
+    check_float(name, x)
+    s = shape_of(x)
+    if len(s) != len(shape) or any(e is not None and e != a for e, a in zip(shape, s)):
+        raise ValueError(f"{name} must have shape {what} = {_fmt(shape)}, got {s}")
+
+
+def check_bool_mask(name, x, shapes, what):
+    s = shape_of(x)
+    if s not in shapes:
+        raise ValueError(f"{name} must have shape {what} ({' or '.join(map(str, shapes))}), got {s}")
+    dt = jnp.result_type(x)
+    if dt != jnp.bool_:
+        raise TypeError(f"{name} must be a bool mask, got dtype {dt}")
+
+
+def _fmt(shape):
+    return "(" + ", ".join("?" if e is None else str(e) for e in shape) + ")"

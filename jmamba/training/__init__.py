@@ -1,0 +1,1 @@
+"""Functional training: `TrainState` and the jitted `make_train_step`."""
