@@ -9,10 +9,12 @@ from jmamba.generate import generate
 from jmamba.io.safetensors_io import load_safetensors, save_safetensors
 from jmamba.lm import MambaLM, MambaLMConfig
 from jmamba.mamba1 import Mamba1Backbone, Mamba1Config, Mamba1LayerState, Mamba1Mixer
+from jmamba.training.loss_scale import DynamicLossScale
+from jmamba.training.split import ForwardContext, backward_step, forward
 from jmamba.training.train_state import TrainState
 from jmamba.training.train_step import make_train_step
 
 __all__ = [
     "Mamba1Backbone", "Mamba1Config", "Mamba1LayerState", "Mamba1Mixer", "MambaLM", "MambaLMConfig",
-    "TrainState", "generate", "load_safetensors", "make_train_step", "ops", "save_safetensors",
+    "DynamicLossScale", "ForwardContext", "TrainState", "backward_step", "forward", "generate", "load_safetensors", "make_train_step", "ops", "save_safetensors",
 ]

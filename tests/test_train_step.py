@@ -54,7 +54,7 @@ def test_library_jit_compiles_once_across_steps():
     rng = np.random.default_rng(0)
     for _ in range(4):
         state, _ = step(state, delayed_copy_batch(rng))
-    assert step._cache_size() == 1
+    assert step.compiled._cache_size() == 1
 
 
 def test_d_out_contract_equals_loss_inside():

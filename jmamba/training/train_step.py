@@ -1,17 +1,21 @@
-"""`make_train_step`: forward + loss + backward + optimizer update as one jitted XLA program.
+"""`make_train_step`: forward + loss + backward + clip + optimizer update as one jitted XLA program.
 
 The returned function is pure, `(TrainState, batch) -> (TrainState, metrics)`; XLA compiles the
 whole step once (this stands where mamba-rs captures a CUDA graph). The recurrent state is read
 from the TrainState, the window runs from it, and the state after the window is stored back.
 
 Two ways to give the objective:
-  * `loss_fn(outputs, batch) -> loss` (or `(loss, aux_metrics)`): the loss is differentiated inside.
+  * `loss_fn(outputs, batch) -> loss` (or `(loss, aux_metrics)`): differentiated inside the step.
   * `loss_fn=None`: the batch carries `d_out`, the gradient of the caller's loss w.r.t. the model
     outputs (the mamba-rs `step(input, d_temporal)` contract); the step back-propagates it.
 
 Batch (a dict): `inputs` (the model input: [B, T, input_dim] floats for a backbone, [B, T] token
 ids for `MambaLM`), optional `reset` ([B] or [B, T] bool), `d_out` in the second mode, and whatever
 else `loss_fn` reads (e.g. `targets`).
+
+Order inside the step: forward (compute dtype) -> loss -> d_out · loss_scale -> backward -> finite
+check (f16) -> unscale -> global norm -> clip -> optimizer. Metrics: `step`, `loss` (loss_fn mode),
+`grad_norm` (when clipping, pre-clip), `loss_scale` and `overflow_skipped` (f16).
 """
 
 from __future__ import annotations
@@ -24,15 +28,17 @@ import optax
 from flax import nnx
 
 from jmamba.ops.validation import shape_of
-from jmamba.training.train_state import TrainState
+from jmamba.training.clipping import check_max_norm
+from jmamba.training.step_core import apply_gradients, forward_with_vjp
+from jmamba.training.train_state import TrainState, check_precision
 
 f32 = jnp.float32
-PRECISIONS = {"f32": jnp.float32}
 
 
 def make_train_step(model: nnx.Module, optimizer: optax.GradientTransformation, *,
                     loss_fn: Optional[Callable] = None, precision: str = "f32",
-                    truncate_bptt: bool = True, donate: bool = True, jit: bool = True):
+                    clip_max_norm: Optional[float] = None, truncate_bptt: bool = True,
+                    donate: bool = True, jit: bool = True):
     """Builds the training step for `model` (its structure; parameters come from the TrainState).
 
     Args:
@@ -40,68 +46,86 @@ def make_train_step(model: nnx.Module, optimizer: optax.GradientTransformation, 
         truncate_bptt=...) -> (outputs, new_state)` (a backbone or `MambaLM`).
       optimizer: the optax transformation whose state is in `TrainState.opt_state`.
       loss_fn: `loss_fn(outputs, batch) -> loss | (loss, aux)`; None = the batch holds `d_out`.
-      precision: compute precision of the forward/backward ("f32").
+      precision: compute precision "f32", "bf16" or "f16" (f16 needs a TrainState created with
+        precision="f16", which holds the dynamic loss scale). Master params stay float32.
+      clip_max_norm: global-norm clipping threshold (torch semantics), or None.
       truncate_bptt: no gradient into the carried state (mamba-rs semantics); False keeps the op
         differentiable w.r.t. the incoming state (only matters when windows are chained in one program).
       donate: donate the incoming TrainState's buffers (updates happen in place).
       jit: return the jitted function (False: the plain Python function, for composing in a larger jit).
 
     Returns:
-      step(state, batch) -> (new_state, metrics) with metrics {"step", "loss" (loss_fn mode), ...}.
+      step(state, batch) -> (new_state, metrics).
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    check_precision(precision)
+    check_max_norm(clip_max_norm)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
     if not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
     graphdef = nnx.graphdef(model)
-    compute_dtype = PRECISIONS[precision]
 
-    def forward(params, recurrent_state, batch):
-        m = nnx.merge(graphdef, params)
-        return m(batch["inputs"], recurrent_state, reset=batch.get("reset"),
-                 compute_dtype=compute_dtype, truncate_bptt=truncate_bptt)
-
-    def step(state: TrainState, batch):
-        _check_batch(batch, loss_fn)
+    def core(state: TrainState, batch):
+        outputs, vjp_fn, new_rec = forward_with_vjp(graphdef, state.params, state.recurrent_state, batch,
+                                                    precision=precision, truncate_bptt=truncate_bptt)
+        # Same two halves as the split API; the barrier keeps XLA from fusing across them.
+        outputs, vjp_fn, new_rec = jax.lax.optimization_barrier((outputs, vjp_fn, new_rec))
         metrics = {}
-        if loss_fn is not None:
-            def objective(params):
-                outputs, new_rec = forward(params, state.recurrent_state, batch)
-                res = loss_fn(outputs, batch)
+        if loss_fn is None:
+            d_out = batch["d_out"]
+            check_d_out(d_out, outputs)
+        else:
+            def loss_of(out):
+                res = loss_fn(out, batch)
                 loss, aux = res if isinstance(res, tuple) else (res, {})
-                return loss.astype(f32), (new_rec, aux)
+                return jnp.asarray(loss, f32), aux
 
-            (loss, (new_rec, aux)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+            (loss, aux), d_out = jax.value_and_grad(loss_of, has_aux=True)(outputs)
             metrics.update(aux)
             metrics["loss"] = loss
-        else:
-            outputs, vjp_fn, new_rec = jax.vjp(lambda p: forward(p, state.recurrent_state, batch),
-                                               state.params, has_aux=True)
-            d_out = batch["d_out"]
-            if shape_of(d_out) != shape_of(outputs):
-                raise ValueError(f"batch['d_out'] must have the shape of the model outputs "
-                                 f"{shape_of(outputs)}, got {shape_of(d_out)}")
-            (grads,) = vjp_fn(d_out.astype(outputs.dtype))
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        new_state = state.replace(params=params, opt_state=opt_state,
-                                  recurrent_state=jax.lax.stop_gradient(new_rec), step=state.step + 1)
-        metrics["step"] = new_state.step
+        new_state, m = apply_gradients(state, vjp_fn, d_out, new_rec, optimizer,
+                                       clip_max_norm=clip_max_norm, accumulate_only=False)
+        metrics.update(m)
         return new_state, metrics
 
-    if not jit:
-        return step
-    return jax.jit(step, donate_argnums=(0,) if donate else ())
+    compiled = jax.jit(core, donate_argnums=(0,) if donate else ()) if jit else core
+
+    def step(state: TrainState, batch):
+        check_state_for_step(state, precision)
+        if state.accumulating:
+            raise RuntimeError("an accumulation window is open (backward_step(accumulate_only=True) ran): "
+                               "finish it with backward_step(accumulate_only=False) before the fused step")
+        if state.pending_forward is not None:
+            raise RuntimeError("a split-API forward is pending: call backward_step for it before the fused step")
+        check_batch(batch, need_d_out=loss_fn is None)
+        return compiled(state, batch)
+
+    step.compiled = compiled   # the jitted core (e.g. for `_cache_size()` or lowering)
+    return step
 
 
-def _check_batch(batch, loss_fn):
+def check_state_for_step(state, precision):
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be a jmamba.TrainState, got {type(state).__name__}")
+    if precision == "f16" and state.loss_scale is None:
+        raise ValueError("precision='f16' needs the dynamic loss scale: create the state with "
+                         "TrainState.create(..., precision='f16')")
+
+
+def check_batch(batch, need_d_out):
     if not isinstance(batch, dict):
         raise TypeError(f"batch must be a dict with 'inputs' (and 'd_out' or what loss_fn reads), "
                         f"got {type(batch).__name__}")
     if "inputs" not in batch:
         raise ValueError("batch must contain 'inputs' (the model input)")
-    if loss_fn is None and "d_out" not in batch:
+    if need_d_out and "d_out" not in batch:
         raise ValueError("batch must contain 'd_out' (gradient of the loss w.r.t. the model outputs) "
                          "when make_train_step was built without loss_fn")
+
+
+def check_d_out(d_out, outputs):
+    if shape_of(d_out) != shape_of(outputs):
+        raise ValueError(f"d_out must have the shape of the model outputs {shape_of(outputs)}, "
+                         f"got {shape_of(d_out)}")
+    if not jnp.issubdtype(jnp.result_type(d_out), jnp.floating):
+        raise TypeError(f"d_out must be floating, got dtype {jnp.result_type(d_out)}")

@@ -1,0 +1,38 @@
+"""Global-norm gradient clipping with torch semantics (`torch.nn.utils.clip_grad_norm_`).
+
+    norm = sqrt(Σ_leaves Σ g²)                 (float32; leaves reduced one by one, summed in tree order)
+    coef = max_norm / (norm + 1e-6);  g ← g · coef  only when coef < 1
+
+The pre-clip norm is reported. The per-leaf partial sums are combined in a fixed (tree) order, so the
+result does not depend on scheduling.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+CLIP_EPS = 1e-6
+
+
+def global_norm(tree) -> jax.Array:
+    leaves = jax.tree.leaves(tree)
+    total = jnp.zeros((), jnp.float32)
+    for x in leaves:   # fixed order
+        total = total + jnp.sum(jnp.square(x.astype(jnp.float32)))
+    return jnp.sqrt(total)
+
+
+def clip_by_global_norm(tree, max_norm):
+    """Returns (clipped tree, pre-clip norm)."""
+    norm = global_norm(tree)
+    coef = max_norm / (norm + CLIP_EPS)
+    scale = jnp.where(coef < 1.0, coef, 1.0).astype(jnp.float32)
+    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), tree), norm
+
+
+def check_max_norm(clip_max_norm):
+    if clip_max_norm is None:
+        return
+    if isinstance(clip_max_norm, bool) or not isinstance(clip_max_norm, (int, float)) or not clip_max_norm > 0:
+        raise ValueError(f"clip_max_norm must be None or a positive number, got {clip_max_norm!r}")

@@ -1,0 +1,137 @@
+"""The split API (bring your own loss): `forward` then `backward_step`.
+
+    outputs, ctx, state = jmamba.forward(model, state, batch)        # advances the recurrent state
+    d_out = my_loss_gradient(outputs)                                 # any code, outside the library
+    state, metrics = jmamba.backward_step(optimizer, state, ctx, d_out, clip_max_norm=1.0)
+
+`ctx` (a `ForwardContext`) is the explicit record of what the backward needs: the vjp pytree holding
+the forward's residual arrays and the settings the forward ran with; nothing is kept in globals. Both
+halves run the same functions as `make_train_step` (see `step_core`), so with the same inputs the
+results are bit-identical to the fused step.
+
+Refused with a clear error, before anything changes: a backward whose forward is not the state's
+pending one, a second backward on the same forward, a d_out of the wrong shape, clipping or float16
+together with `accumulate_only`.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Optional
+
+import jax
+import optax
+from flax import nnx
+
+from jmamba.ops.validation import shape_of
+from jmamba.training.clipping import check_max_norm
+from jmamba.training.step_core import apply_gradients, forward_with_vjp
+from jmamba.training.train_state import TrainState, check_precision
+from jmamba.training.train_step import check_batch, check_d_out, check_state_for_step
+
+_TOKENS = itertools.count(1)
+
+
+class ForwardContext:
+    """What `backward_step` needs from one `forward` call.
+
+    Attributes:
+      vjp_fn: the pullback of the forward, a pytree whose leaves are the saved residual arrays.
+      outputs_shape: shape of the outputs (d_out must match).
+      precision: compute precision the forward ran with.
+      token: identifies the forward; the TrainState it returned carries the same token.
+      consumed: True once a backward_step used it.
+    """
+
+    def __init__(self, vjp_fn, outputs_shape, precision, token):
+        self.vjp_fn = vjp_fn
+        self.outputs_shape = outputs_shape
+        self.precision = precision
+        self.token = token
+        self.consumed = False
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "precision", "truncate_bptt"))
+def _forward_jit(params, recurrent_state, batch, *, graphdef, precision, truncate_bptt):
+    return forward_with_vjp(graphdef, params, recurrent_state, batch, precision=precision,
+                            truncate_bptt=truncate_bptt)
+
+
+@functools.partial(jax.jit, static_argnames=("optimizer", "clip_max_norm", "accumulate_only"),
+                   donate_argnums=(0,))
+def _backward_jit(state, vjp_fn, d_out, *, optimizer, clip_max_norm, accumulate_only):
+    return apply_gradients(state, vjp_fn, d_out, state.recurrent_state, optimizer,
+                           clip_max_norm=clip_max_norm, accumulate_only=accumulate_only)
+
+
+def forward(model: nnx.Module, state: TrainState, batch: dict, *, precision: str = "f32",
+            truncate_bptt: bool = True):
+    """Training forward from the carried state.
+
+    Args:
+      model: the module whose parameters live in `state.params` (its structure is used).
+      state: the TrainState (no other forward pending).
+      batch: {"inputs": ..., optional "reset": ...}.
+      precision: "f32", "bf16" or "f16".
+      truncate_bptt: see `make_train_step`.
+
+    Returns:
+      (outputs float32 [B, T, ...], ctx: ForwardContext, new_state with the advanced recurrent state).
+    """
+    check_precision(precision)
+    check_state_for_step(state, precision)
+    if state.pending_forward is not None:
+        raise RuntimeError("another forward is pending: run its backward_step first")
+    check_batch(batch, need_d_out=False)
+    outputs, vjp_fn, new_rec = _forward_jit(state.params, state.recurrent_state, batch,
+                                            graphdef=nnx.graphdef(model), precision=precision,
+                                            truncate_bptt=truncate_bptt)
+    token = next(_TOKENS)
+    ctx = ForwardContext(vjp_fn, shape_of(outputs), precision, token)
+    return outputs, ctx, state.replace(recurrent_state=new_rec, pending_forward=token)
+
+
+def backward_step(optimizer: optax.GradientTransformation, state: TrainState, ctx: ForwardContext, d_out, *,
+                  clip_max_norm: Optional[float] = None, accumulate_only: bool = False):
+    """Backward for `ctx`'s forward, then clip and optimizer (or only accumulate the gradients).
+
+    Args:
+      optimizer: the optax transformation whose state is in `state.opt_state`.
+      state: the TrainState returned by the matching `forward`.
+      ctx: that forward's ForwardContext.
+      d_out: ∂loss/∂outputs, the shape of the forward's outputs.
+      clip_max_norm: global-norm clipping (torch semantics) on the applying call; None = off.
+      accumulate_only: add the gradients to `state.grad_accum` and stop (no clip, no optimizer).
+
+    Returns:
+      (new_state, metrics).
+    """
+    if not isinstance(ctx, ForwardContext):
+        raise TypeError(f"ctx must be the ForwardContext returned by forward(), got {type(ctx).__name__}")
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
+    check_state_for_step(state, ctx.precision)
+    if ctx.consumed:
+        raise RuntimeError("this forward's backward_step already ran (a second backward on the same forward)")
+    if state.pending_forward is None:
+        raise RuntimeError("backward_step without its forward: the state has no pending forward")
+    if state.pending_forward != ctx.token:
+        raise RuntimeError("backward_step without its forward: ctx does not belong to this state's pending forward")
+    check_max_norm(clip_max_norm)
+    check_d_out(d_out, jax.ShapeDtypeStruct(ctx.outputs_shape, "float32"))
+    if accumulate_only:
+        if clip_max_norm is not None:
+            raise ValueError("clip_max_norm with accumulate_only=True is refused: clipping applies to the "
+                             "accumulated gradient, on the applying call")
+        if state.loss_scale is not None:
+            raise ValueError("accumulate_only=True is refused with float16 (dynamic loss scaling)")
+        if state.grad_accum is None:
+            raise ValueError("accumulate_only=True needs a gradient accumulator: "
+                             "TrainState.create(..., accumulate=True)")
+    new_state, metrics = _backward_jit(state.replace(pending_forward=None), ctx.vjp_fn, d_out,
+                                       optimizer=optimizer, clip_max_norm=clip_max_norm,
+                                       accumulate_only=accumulate_only)
+    ctx.consumed = True
+    ctx.vjp_fn = None   # release the residuals
+    return new_state, metrics
