@@ -6,6 +6,8 @@ functional `TrainState` / `make_train_step`, the LM wrapper, generation and weig
 
 from jmamba import ops
 from jmamba.generate import generate
+from jmamba.io.checkpoint import restore_checkpoint, save_checkpoint
+from jmamba.interop.hf_mamba import load_hf_mamba, save_hf_mamba
 from jmamba.io.safetensors_io import load_safetensors, save_safetensors
 from jmamba.lm import MambaLM, MambaLMConfig
 from jmamba.mamba1 import Mamba1Backbone, Mamba1Config, Mamba1LayerState, Mamba1Mixer
@@ -16,5 +18,5 @@ from jmamba.training.train_step import make_train_step
 
 __all__ = [
     "Mamba1Backbone", "Mamba1Config", "Mamba1LayerState", "Mamba1Mixer", "MambaLM", "MambaLMConfig",
-    "DynamicLossScale", "ForwardContext", "TrainState", "backward_step", "forward", "generate", "load_safetensors", "make_train_step", "ops", "save_safetensors",
+    "DynamicLossScale", "ForwardContext", "TrainState", "backward_step", "forward", "generate", "load_hf_mamba", "load_safetensors", "make_train_step", "ops", "restore_checkpoint", "save_checkpoint", "save_hf_mamba", "save_safetensors",
 ]

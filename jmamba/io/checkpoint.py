@@ -1,0 +1,216 @@
+"""Training checkpoints with orbax: the whole `TrainState`, the config, and host-side extras.
+
+Layout: `<directory>/<step>/` per checkpoint (orbax `CheckpointManager`), each holding
+  * `state`: every array leaf of the TrainState (master params, optimizer state, step, loss-scale
+    state, recurrent state, gradient accumulator), stored under its key path (`.params['layers'][0]...`);
+  * `meta`: JSON with the format version, the config (`jmamba.configs`), the key paths with their
+    shapes/dtypes, and the caller's `extras` (RNG key, data position, anything JSON-able).
+
+Atomicity: orbax writes a checkpoint into a temporary folder and renames it into place only when it is
+complete, so a save killed half-way leaves the previous checkpoints loadable (tested by killing a
+process mid-save). Saving is synchronous (returns once the checkpoint is final).
+
+Restoring checks before anything is read into the target: the config (when the caller passes one) and
+every key path, shape and dtype of `like`; a mismatch raises naming the field or path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jmamba.configs import config_from_dict, config_to_dict
+from jmamba.training.train_state import TrainState
+
+FORMAT_VERSION = 1
+
+
+def _flatten(state: TrainState) -> dict[str, Any]:
+    return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(state)}
+
+
+def _manager(directory, keep=None, read_only=False):
+    # Readers neither create the folder nor clean up a concurrent writer's temporary folders.
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
+                                           enable_async_checkpointing=False,
+                                           cleanup_tmp_directories=not read_only)
+    return ocp.CheckpointManager(os.path.abspath(directory), options=options, item_names=("state", "meta"))
+
+
+def _to_jsonable(x):
+    if isinstance(x, (jax.Array, np.ndarray)):
+        a = np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+        return {"__array__": a.tolist(), "dtype": str(a.dtype)}
+    if isinstance(x, dict):
+        return {str(k): _to_jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_to_jsonable(v) for v in x]
+    if isinstance(x, (np.integer, np.floating)):
+        return x.item()
+    return x
+
+
+def _from_jsonable(x):
+    if isinstance(x, dict):
+        if "__array__" in x:
+            return np.asarray(x["__array__"], dtype=x["dtype"])
+        return {k: _from_jsonable(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_from_jsonable(v) for v in x]
+    return x
+
+
+def save_checkpoint(directory, state: TrainState, *, config=None, extras: Optional[dict] = None,
+                    keep: Optional[int] = 3) -> str:
+    """Saves `state` as checkpoint number `state.step` under `directory`.
+
+    Args:
+      directory: folder of checkpoints (created if missing).
+      state: the TrainState (no split-API forward pending).
+      config: the model config (backbone config or MambaLMConfig), stored for restore-time checks.
+      extras: small host-side values to keep with it (e.g. {"rng": key, "data_position": positions}):
+        numbers, strings, lists, dicts, numpy/jax arrays (stored as JSON, so keep them small).
+      keep: how many checkpoints to keep (older ones are deleted); None keeps all.
+
+    Returns:
+      the path of the written checkpoint.
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be a jmamba.TrainState, got {type(state).__name__}")
+    if state.pending_forward is not None:
+        raise RuntimeError("cannot checkpoint while a split-API forward is pending: run backward_step first")
+    if state.accumulating:
+        raise RuntimeError("cannot checkpoint inside an open gradient-accumulation window")
+    flat = _flatten(state)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "config": None if config is None else config_to_dict(config),
+        "leaves": {k: [list(np.shape(v)), str(jnp.result_type(v))] for k, v in flat.items()},
+        "extras": _to_jsonable(extras or {}),
+    }
+    json.dumps(meta)   # fail before writing anything if extras are not JSON-able
+    step = int(state.step)
+    mngr = _manager(directory, keep)
+    try:
+        if step in mngr.all_steps():
+            raise FileExistsError(f"a checkpoint for step {step} already exists in {directory}")
+        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta)))
+        mngr.wait_until_finished()
+    finally:
+        mngr.close()
+    return os.path.join(os.path.abspath(directory), str(step))
+
+
+def latest_step(directory) -> Optional[int]:
+    """The newest complete checkpoint's step in `directory`, or None."""
+    if not os.path.isdir(directory):
+        return None
+    mngr = _manager(directory, read_only=True)
+    try:
+        return mngr.latest_step()
+    finally:
+        mngr.close()
+
+
+def _read_meta(mngr, step):
+    return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
+def _resolve_step(mngr, directory, step):
+    steps = mngr.all_steps()
+    if not steps:
+        raise FileNotFoundError(f"no complete checkpoint in {directory}")
+    if step is None:
+        return max(steps)
+    if step not in steps:
+        raise FileNotFoundError(f"no checkpoint for step {step} in {directory} (have {sorted(steps)})")
+    return step
+
+
+def checkpoint_info(directory, step: Optional[int] = None) -> dict:
+    """{"step", "config" (object or None), "extras"} of a checkpoint (the newest by default)."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"no checkpoint directory {directory}")
+    mngr = _manager(directory, read_only=True)
+    try:
+        step = _resolve_step(mngr, directory, step)
+        meta = _read_meta(mngr, step)
+    finally:
+        mngr.close()
+    cfg = None if meta.get("config") is None else config_from_dict(meta["config"])
+    return {"step": step, "config": cfg, "extras": _from_jsonable(meta.get("extras", {}))}
+
+
+def restore_checkpoint(directory, like: TrainState, *, step: Optional[int] = None, config=None) -> TrainState:
+    """Restores a checkpoint into the structure of `like`.
+
+    Args:
+      directory: folder given to `save_checkpoint`.
+      like: a TrainState with the target structure (e.g. `TrainState.create(...)` for the same model,
+        optimizer and batch size); its arrays are not modified.
+      step: which checkpoint (default: the newest complete one).
+      config: if given, must equal the saved config (else ValueError naming the differing fields).
+
+    Returns:
+      the restored TrainState (same static fields as `like`).
+    """
+    if not isinstance(like, TrainState):
+        raise TypeError(f"like must be a jmamba.TrainState, got {type(like).__name__}")
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"no checkpoint directory {directory}")
+    mngr = _manager(directory, read_only=True)
+    try:
+        step = _resolve_step(mngr, directory, step)
+        meta = _read_meta(mngr, step)
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"checkpoint format {meta.get('format_version')!r} is not {FORMAT_VERSION}")
+        _check_config(meta.get("config"), config)
+        flat_like = _flatten(like)
+        _check_leaves(meta["leaves"], flat_like)
+        target = {k: jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v)) for k, v in flat_like.items()}
+        flat = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+    finally:
+        mngr.close()
+    leaves = [jnp.asarray(flat[k]) for k in flat_like]
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+def _check_config(saved, given):
+    if given is None:
+        return
+    want = config_to_dict(given)
+    if saved is None:
+        raise ValueError("the checkpoint has no config to compare with `config`")
+    if saved != want:
+        diffs = _dict_diff(saved, want)
+        raise ValueError(f"checkpoint config differs from `config`: {diffs}")
+
+
+def _dict_diff(a, b, prefix=""):
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k, "<missing>"), b.get(k, "<missing>")
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += _dict_diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}: saved {va!r} vs given {vb!r}")
+    return out
+
+
+def _check_leaves(saved: dict, flat_like: dict):
+    missing = [k for k in flat_like if k not in saved]
+    extra = [k for k in saved if k not in flat_like]
+    if missing or extra:
+        raise ValueError(f"checkpoint structure differs from `like` (different architecture, config or "
+                         f"optimizer?): missing in checkpoint {missing[:5]}, unexpected {extra[:5]}")
+    for k, v in flat_like.items():
+        shape, dtype = saved[k]
+        if tuple(shape) != tuple(np.shape(v)) or dtype != str(jnp.result_type(v)):
+            raise ValueError(f"checkpoint leaf {k} has shape {tuple(shape)} {dtype}, `like` expects "
+                             f"{tuple(np.shape(v))} {jnp.result_type(v)}")
