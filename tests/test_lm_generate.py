@@ -119,13 +119,21 @@ def test_safetensors_round_trip(tmp_path):
         load_safetensors(os.path.join(tmp_path, "missing.safetensors"))
 
 
-def test_main_job_smoke(tmp_path, capsys):
+def test_main_job_trains_checkpoints_and_resumes(tmp_path, capsys):
     from jmamba.train_char_lm import main
     out = os.path.join(tmp_path, "run")
-    assert main(["--steps", "60", "--d-model", "32", "--seq-len", "32", "--batch-size", "8",
-                 "--sample-tokens", "20", "--out", out]) == 0
+    common = ["--d-model", "32", "--seq-len", "32", "--batch-size", "8", "--sample-tokens", "20", "--out", out]
+    assert main(["--steps", "60", "--ckpt-every", "25", *common]) == 0
     text = capsys.readouterr().out
-    assert os.path.isfile(os.path.join(out, "model.safetensors"))
+    for name in ("model.safetensors", "loss.png"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["25", "50", "60"]
     first, last = [float(v) for v in text.split("loss: first step ")[1].split(" nats")[0].split(" -> last ")]
     assert last < first - 1.0, text
     assert "---- sample ----" in text
+    assert main(["--steps", "70", *common]) == 0
+    text = capsys.readouterr().out
+    assert "resumed from" in text and "at step 60" in text
+    assert "70" in os.listdir(os.path.join(out, "checkpoints"))
+    with pytest.raises(ValueError, match="d_model"):
+        main(["--steps", "80", *[c if c != "32" else "48" for c in common[:2]], *common[2:]])
