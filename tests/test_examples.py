@@ -18,3 +18,26 @@ def load(name):
 def test_custom_loss_example_learns_through_the_split_api():
     losses = load("custom_loss").main(["--steps", "150"])
     assert np.mean(losses[-20:]) < 0.3 * np.mean(losses[:20])
+
+
+def test_selective_copying_accuracy_rises_well_above_chance():
+    acc = load("selective_copying").main(["--steps", "220"])
+    assert acc > 3 * (1 / 8), acc
+
+
+def test_finetune_hf_example(tmp_path):
+    from flax import nnx
+
+    import jmamba
+    base = os.path.join(tmp_path, "base")
+    jmamba.save_hf_mamba(base, jmamba.MambaLM(jmamba.Mamba1Config(d_model=32, n_layers=2, d_state=8), 256,
+                                              rngs=nnx.Rngs(0)))
+    text = os.path.join(tmp_path, "t.txt")
+    with open(text, "w") as f:
+        f.write(open(os.path.join(EXAMPLES, "..", "README.md")).read())
+    out = os.path.join(tmp_path, "ft")
+    losses = load("finetune_hf").main(["--model", base, "--text", text, "--out", out, "--steps", "40",
+                                       "--seq-len", "64", "--lr", "3e-3"])
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 1.0
+    tuned = jmamba.load_hf_mamba(out)
+    assert tuned.config == jmamba.load_hf_mamba(base).config
