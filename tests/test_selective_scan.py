@@ -217,3 +217,18 @@ def test_works_under_jit_and_vmap():
         u[None], dl[None], jargs["A"], B[None], C[None], jargs["D"], z[None], jargs["delta_bias"], True)[0])(
         jargs["u"], jargs["delta"], jargs["B"], jargs["C"], jargs["z"])
     np.testing.assert_allclose(y, per_row, rtol=1e-5, atol=1e-5)
+
+
+def test_prefer_context_selects_the_implementation_for_auto_calls(monkeypatch):
+    jargs, _ = make_inputs((1, 5, 2, 2, 1), jnp.float32)
+    calls = []
+    from jmamba.ops.selective_scan import reference
+    real = reference.selective_scan_reference
+    monkeypatch.setattr(reference, "selective_scan_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with dispatch.prefer("selective_scan", "reference"):
+        selective_scan(**jargs, delta_softplus=True)
+    selective_scan(**jargs, delta_softplus=True)
+    assert calls == [1]
+    with pytest.raises(ValueError, match="implementation must be"):
+        with dispatch.prefer("selective_scan", "fast"):
+            pass

@@ -13,6 +13,7 @@ The model layer only ever calls the op; it never names an implementation.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Callable, Optional
@@ -46,6 +47,30 @@ class Implementation:
 
 _REGISTRY: dict[str, dict[str, Callable[[], Implementation]]] = {}
 _WARNED: set[tuple] = set()
+_PREFERRED: dict[str, str] = {}
+
+
+@contextlib.contextmanager
+def prefer(op: str, implementation: str):
+    """Within the block, calls of `op` with `implementation=None` use `implementation` (it must be able
+    to run them, else they raise). Read at trace time: a function already traced and cached by
+    `jax.jit` keeps its choice, so build (or re-jit) the function inside the block.
+
+    Example (benchmarks compare kernels without touching the model):
+        with dispatch.prefer("selective_scan", "xla"):
+            step = make_train_step(...); step(state, batch)
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    old = _PREFERRED.get(op)
+    _PREFERRED[op] = implementation
+    try:
+        yield
+    finally:
+        if old is None:
+            _PREFERRED.pop(op, None)
+        else:
+            _PREFERRED[op] = old
 
 
 def register(op: str, name: str, loader: Callable[[], Implementation]) -> None:
@@ -78,6 +103,8 @@ def choose(op: str, implementation: str | None, platform: str | None = None, **c
       platform: JAX platform to choose for (defaults to the default backend).
       **call: the op's normalized arguments, passed to each `supported` predicate.
     """
+    if implementation is None:
+        implementation = _PREFERRED.get(op)
     if implementation is not None:
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(
