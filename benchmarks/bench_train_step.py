@@ -1,0 +1,128 @@
+"""End-to-end training-step benchmark: a 130m-class Mamba LM, tokens/s per scan implementation.
+
+    python benchmarks/bench_train_step.py                              # H200: Mamba-1 130m-class, bf16
+    python benchmarks/bench_train_step.py --arch mamba3
+    python benchmarks/bench_train_step.py --tiny                       # CPU smoke run (seconds)
+
+One jitted step (forward, cross entropy over the vocabulary, backward, global-norm clip, AdamW) per
+call, the recurrent state carried; the scan implementation is switched with
+`jmamba.ops.dispatch.prefer` (the model is the same object). Reports the median ms/step of
+`--steps` timed steps after `--warmup` (compile) steps, tokens/s, model TFLOP/s by 6·N·tokens (N =
+parameters), and the peak device memory. The PyTorch anchors of PERF.md are printed beside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import jmamba
+from jmamba.ops import dispatch
+
+PYTORCH_ANCHOR = {"mamba1": (137.1, 119.5e3), "mamba3": (114.8, 142.8e3)}   # ms/step, tokens/s (PERF.md)
+OP = {"mamba1": "selective_scan", "mamba3": "mamba3_siso_scan"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", choices=["mamba1", "mamba3"], default="mamba1")
+    p.add_argument("--impl", default="pallas,xla", help="comma-separated scan implementations to compare")
+    p.add_argument("--precision", default="bf16", choices=["f32", "bf16", "f16"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "fused"])
+    p.add_argument("--d-model", type=int, default=768)
+    p.add_argument("--n-layers", type=int, default=24)
+    p.add_argument("--vocab", type=int, default=50280)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes for a CPU smoke run")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.d_model, args.n_layers, args.vocab, args.batch_size, args.seq_len = 64, 2, 256, 2, 64
+        args.steps, args.warmup = 3, 1
+        if jax.default_backend() == "cpu":
+            args.impl, args.precision = "xla", "f32"
+    return args
+
+
+def build(args):
+    if args.arch == "mamba1":
+        cfg = jmamba.Mamba1Config(d_model=args.d_model, n_layers=args.n_layers)
+    else:
+        cfg = jmamba.Mamba3Config(d_model=args.d_model, n_layers=args.n_layers,
+                                  **({"d_state": 16, "headdim": 16, "chunk_size": 16} if args.tiny else {}))
+    return jmamba.MambaLM(cfg, args.vocab, rngs=nnx.Rngs(0))
+
+
+def make_optimizer(args):
+    if args.optimizer == "fused":
+        from jmamba.optim import fused_adamw
+        return fused_adamw(1e-4, weight_decay=0.1)
+    return optax.adamw(1e-4, weight_decay=0.1)
+
+
+def loss_fn(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def bench_one(args, lm, impl):
+    opt = make_optimizer(args)
+    rng = np.random.default_rng(0)
+    with dispatch.prefer(OP[args.arch], impl):
+        state = jmamba.TrainState.create(lm, opt, args.batch_size, precision=args.precision)
+        step = jmamba.make_train_step(lm, opt, loss_fn=loss_fn, precision=args.precision, clip_max_norm=1.0)
+        batches = [{"inputs": jnp.asarray(rng.integers(0, args.vocab, (args.batch_size, args.seq_len)), jnp.int32),
+                    "targets": jnp.asarray(rng.integers(0, args.vocab, (args.batch_size, args.seq_len)), jnp.int32)}
+                   for _ in range(2)]
+        t0 = time.perf_counter()
+        for i in range(args.warmup):
+            state, m = step(state, batches[i % 2])
+        jax.block_until_ready(state)
+        compile_s = time.perf_counter() - t0
+        times = []
+        for i in range(args.steps):
+            t = time.perf_counter()
+            state, m = step(state, batches[i % 2])
+            jax.block_until_ready((state, m))
+            times.append(time.perf_counter() - t)
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"impl": impl, "ms": 1e3 * statistics.median(times), "min": 1e3 * min(times), "max": 1e3 * max(times),
+            "compile_s": compile_s, "loss": float(m["loss"]), "peak_gib": stats.get("peak_bytes_in_use", 0) / 2 ** 30}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    lm = build(args)
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(lm, nnx.Param)))
+    tokens = args.batch_size * args.seq_len
+    print(f"# train step: {args.arch} d_model={args.d_model} layers={args.n_layers} vocab={args.vocab} "
+          f"params={n_params / 1e6:.1f}M B={args.batch_size} T={args.seq_len} {args.precision} "
+          f"optimizer={args.optimizer} | jax {jax.__version__} on {jax.devices()[0].device_kind}")
+    rows = []
+    for impl in args.impl.split(","):
+        try:
+            rows.append(bench_one(args, lm, impl))
+        except Exception as e:   # one implementation failing must not hide the others' numbers
+            print(f"{impl}: FAILED: {type(e).__name__}: {str(e)[:300]}")
+    ref_ms, ref_tok = PYTORCH_ANCHOR[args.arch]
+    print("\n| implementation | ms/step (median, min-max) | tokens/s | vs PyTorch | TFLOP/s (6·N·tok) | peak GiB | compile s | loss |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        tok_s = tokens / (r["ms"] / 1e3)
+        tflops = 6 * n_params * tokens / (r["ms"] / 1e3) / 1e12
+        print(f"| {r['impl']} | {r['ms']:.1f} ({r['min']:.1f}-{r['max']:.1f}) | {tok_s:,.0f} | "
+              f"{tok_s / ref_tok:.2f}x | {tflops:.0f} | {r['peak_gib']:.1f} | {r['compile_s']:.0f} | {r['loss']:.3f} |")
+    print(f"| PyTorch + official kernels (PERF.md anchor) | {ref_ms} | {ref_tok:,.0f} | 1.00x | | | | |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
