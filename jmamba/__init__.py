@@ -10,6 +10,7 @@ from jmamba.io.checkpoint import restore_checkpoint, save_checkpoint
 from jmamba.interop.hf_mamba import load_hf_mamba, save_hf_mamba
 from jmamba.io.safetensors_io import load_safetensors, save_safetensors
 from jmamba.lm import MambaLM, MambaLMConfig
+from jmamba.optim import fused_adamw, no_decay_mask
 from jmamba.mamba1 import Mamba1Backbone, Mamba1Config, Mamba1LayerState, Mamba1Mixer
 from jmamba.training.loss_scale import DynamicLossScale
 from jmamba.training.split import ForwardContext, backward_step, forward
@@ -18,5 +19,5 @@ from jmamba.training.train_step import make_train_step
 
 __all__ = [
     "Mamba1Backbone", "Mamba1Config", "Mamba1LayerState", "Mamba1Mixer", "MambaLM", "MambaLMConfig",
-    "DynamicLossScale", "ForwardContext", "TrainState", "backward_step", "forward", "generate", "load_hf_mamba", "load_safetensors", "make_train_step", "ops", "restore_checkpoint", "save_checkpoint", "save_hf_mamba", "save_safetensors",
+    "DynamicLossScale", "ForwardContext", "TrainState", "backward_step", "forward", "fused_adamw", "generate", "load_hf_mamba", "load_safetensors", "make_train_step", "no_decay_mask", "ops", "restore_checkpoint", "save_checkpoint", "save_hf_mamba", "save_safetensors",
 ]

@@ -11,6 +11,7 @@ from flax import nnx
 
 from helpers import assert_close
 from jmamba import Mamba1Backbone, Mamba1Config, TrainState, backward_step, forward, make_train_step
+from jmamba.optim import fused_adamw
 from jmamba.training.loss_scale import DynamicLossScale, update_loss_scale
 
 CFG = Mamba1Config(d_model=16, n_layers=2, d_state=4, input_dim=3)
@@ -50,10 +51,10 @@ def test_loss_scale_growth_backoff_and_clamp():
         DynamicLossScale.create(0.5)
 
 
-@pytest.mark.parametrize("poison", [np.inf, np.nan])
-def test_f16_overflow_step_is_skipped_bit_identically(poison):
+@pytest.mark.parametrize("poison,opt", [(np.inf, "optax"), (np.nan, "fused")])
+def test_f16_overflow_step_is_skipped_bit_identically(poison, opt):
     model = Mamba1Backbone(CFG, rngs=nnx.Rngs(0))
-    opt = optax.adamw(1e-2)
+    opt = optax.adamw(1e-2) if opt == "optax" else fused_adamw(1e-2)
     step = make_train_step(model, opt, precision="f16", clip_max_norm=1.0, donate=False)
     state = TrainState.create(model, opt, 4, precision="f16")
     state = state.replace(loss_scale=DynamicLossScale(jnp.asarray(8.0), jnp.asarray(5, jnp.int32)))
@@ -154,10 +155,10 @@ def test_two_half_batches_accumulated_equal_one_full_batch():
 
 
 # ------------------------------------------------------------------------------------ split API
-@pytest.mark.parametrize("precision", ["f32", "bf16"])
-def test_split_api_is_bit_identical_to_the_fused_step(precision):
+@pytest.mark.parametrize("precision,opt", [("f32", "optax"), ("bf16", "optax"), ("f32", "fused")])
+def test_split_api_is_bit_identical_to_the_fused_step(precision, opt):
     model = Mamba1Backbone(CFG, rngs=nnx.Rngs(3))
-    opt = optax.adamw(1e-2)
+    opt = optax.adamw(1e-2) if opt == "optax" else fused_adamw(1e-2)
     fused = make_train_step(model, opt, precision=precision, clip_max_norm=1.0)
     s_fused = TrainState.create(model, opt, 4, precision=precision)
     s_split = TrainState.create(model, opt, 4, precision=precision)
@@ -232,3 +233,19 @@ def test_f16_needs_a_loss_scale_and_metrics_per_mode():
     assert set(m) == {"step", "grad_norm", "loss_scale", "overflow_skipped"}
     with pytest.raises(ValueError, match="clip_max_norm"):
         make_train_step(model, opt, clip_max_norm=-1.0)
+
+
+def test_fused_adamw_in_the_train_step_matches_optax_adamw():
+    """Clip + fused AdamW (factors folded into the kernel pass) == clip + optax.adamw, 10 steps."""
+    model = Mamba1Backbone(CFG, rngs=nnx.Rngs(7))
+    states = {}
+    for name, opt in (("optax", optax.adamw(1e-2, weight_decay=0.1)), ("fused", fused_adamw(1e-2, weight_decay=0.1))):
+        state = TrainState.create(model, opt, 4)
+        step = make_train_step(model, opt, clip_max_norm=0.5)
+        for i in range(10):
+            x, d = data(20 + i)
+            state, m = step(state, {"inputs": x, "d_out": d})
+        states[name] = state
+    for a, b in zip(jax.tree.leaves(states["fused"].params), jax.tree.leaves(states["optax"].params)):
+        assert_close("params", a, b, 1e-5)
+    assert int(states["fused"].step) == 10

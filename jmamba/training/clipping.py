@@ -23,11 +23,16 @@ def global_norm(tree) -> jax.Array:
     return jnp.sqrt(total)
 
 
+def clip_coefficient(norm, max_norm):
+    """max_norm / (norm + 1e-6) when that is < 1, else 1 (float32 scalar)."""
+    coef = max_norm / (norm + CLIP_EPS)
+    return jnp.where(coef < 1.0, coef, 1.0).astype(jnp.float32)
+
+
 def clip_by_global_norm(tree, max_norm):
     """Returns (clipped tree, pre-clip norm)."""
     norm = global_norm(tree)
-    coef = max_norm / (norm + CLIP_EPS)
-    scale = jnp.where(coef < 1.0, coef, 1.0).astype(jnp.float32)
+    scale = clip_coefficient(norm, max_norm)
     return jax.tree.map(lambda g: (g * scale).astype(g.dtype), tree), norm
 
 

@@ -4,6 +4,10 @@
     apply_gradients:   vjp(d_out · loss_scale) -> finite check -> unscale -> [accumulate] ->
                        global norm -> clip -> optimizer -> new TrainState
 
+With `jmamba.fused_adamw` the unscale and clip factors are folded into the fused kernel's one pass
+over the parameters (`FusedAdamW.apply`), and an overflow is skipped inside it; any other optax
+transformation runs as `update` + `apply_updates` under a `lax.cond` that skips on overflow.
+
 Because `make_train_step` and `forward`/`backward_step` run exactly these functions (the fused step
 puts an optimization barrier between them so XLA cannot fuse across), the two paths give
 bit-identical results.
@@ -16,12 +20,15 @@ window was consumed, and the next window continues the stream.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jmamba.training.clipping import clip_by_global_norm
+from jmamba.optim.fused_adamw import FusedAdamW
+from jmamba.training.clipping import clip_coefficient, global_norm
 from jmamba.training.loss_scale import all_finite, update_loss_scale
 from jmamba.training.train_state import PRECISIONS, TrainState
 
@@ -59,26 +66,45 @@ def apply_gradients(state: TrainState, vjp_fn, d_out, new_recurrent_state, optim
         accum = jax.tree.map(jnp.add, state.grad_accum, grads)
         return state.replace(grad_accum=accum, recurrent_state=new_recurrent_state, accumulating=True), metrics
 
-    if ls is not None:
-        finite = all_finite(grads)
-        grads = jax.tree.map(lambda g: g / ls.scale, grads)
+    # Loss scales are powers of two, so unscaling (and folding 1/scale into another factor) is exact.
+    inv_scale = None if ls is None else 1.0 / ls.scale
+    finite = None if ls is None else all_finite(grads)
     if state.accumulating:
         grads = jax.tree.map(jnp.add, state.grad_accum, grads)
+    coef = None
     if clip_max_norm is not None:
-        grads, metrics["grad_norm"] = clip_by_global_norm(grads, clip_max_norm)
+        norm = global_norm(grads) if inv_scale is None else global_norm(grads) * inv_scale
+        metrics["grad_norm"] = norm
+        coef = clip_coefficient(norm, clip_max_norm)
+    accum = None if state.grad_accum is None else jax.tree.map(jnp.zeros_like, state.grad_accum)
 
-    def update(_):
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        accum = None if state.grad_accum is None else jax.tree.map(jnp.zeros_like, state.grad_accum)
-        return optax.apply_updates(state.params, updates), opt_state, state.step + 1, accum
-
-    def skip(_):
-        return state.params, state.opt_state, state.step, state.grad_accum
-
-    if ls is None:
-        params, opt_state, step, accum = update(None)
+    if isinstance(optimizer, FusedAdamW):
+        # Unscale and clip inside the fused kernel's single pass; `skip` keeps p, m, v on overflow.
+        factors = [f for f in (coef, inv_scale) if f is not None]
+        grad_scale = None if not factors else functools.reduce(jnp.multiply, factors)
+        params, opt_state, _ = optimizer.apply(grads, state.opt_state, state.params, grad_scale=grad_scale,
+                                               skip=None if finite is None else jnp.logical_not(finite))
+        step = state.step + 1 if finite is None else jnp.where(finite, state.step + 1, state.step)
+        if finite is not None and accum is not None:
+            accum = jax.tree.map(lambda z, a: jnp.where(finite, z, a), accum, state.grad_accum)
     else:
-        params, opt_state, step, accum = jax.lax.cond(finite, update, skip, None)
+        if inv_scale is not None:
+            grads = jax.tree.map(lambda g: g * inv_scale, grads)
+        if coef is not None:
+            grads = jax.tree.map(lambda g: g * coef, grads)
+
+        def update(_):
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            return optax.apply_updates(state.params, updates), opt_state, state.step + 1, accum
+
+        def skip(_):
+            return state.params, state.opt_state, state.step, state.grad_accum
+
+        if finite is None:
+            params, opt_state, step, accum = update(None)
+        else:
+            params, opt_state, step, accum = jax.lax.cond(finite, update, skip, None)
+    if ls is not None:
         metrics["loss_scale"] = ls.scale
         metrics["overflow_skipped"] = jnp.logical_not(finite)
         ls = update_loss_scale(ls, finite)
