@@ -7,8 +7,9 @@ import json
 
 from jmamba.lm import MambaLMConfig
 from jmamba.mamba1.config import Mamba1Config
+from jmamba.mamba3.config import Mamba3Config
 
-CONFIG_CLASSES = {"mamba1": Mamba1Config}
+CONFIG_CLASSES = {"mamba1": Mamba1Config, "mamba3": Mamba3Config}
 
 
 def config_to_dict(cfg) -> dict:

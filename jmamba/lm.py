@@ -18,12 +18,14 @@ from jmamba.dtypes import accum_dtype
 from jmamba.layers.dense import Dense
 from jmamba.mamba1.backbone import Mamba1Backbone
 from jmamba.mamba1.config import Mamba1Config
+from jmamba.mamba3.backbone import Mamba3Backbone
+from jmamba.mamba3.config import Mamba3Config
 from jmamba.ops.validation import shape_of
 
 f32 = jnp.float32
 
 # Backbone class for each config class; other architectures register here.
-BACKBONES: dict[type, type] = {Mamba1Config: Mamba1Backbone}
+BACKBONES: dict[type, type] = {Mamba1Config: Mamba1Backbone, Mamba3Config: Mamba3Backbone}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,5 @@
+"""Reading and writing other implementations' checkpoints."""
+
+from jmamba.interop.official_mamba3 import load_official_mamba3, save_official_mamba3
+
+__all__ = ["load_official_mamba3", "save_official_mamba3"]

@@ -1,0 +1,166 @@
+"""`Mamba3Mixer`: one Mamba-3 SISO mixer layer, no residual and no norm (spec/mamba3_siso.md §3.2).
+
+    proj = x · W_in                                   [Bt, T, 2Di + 2GN + 3H + S]
+    z, xv, B, C, dd_dt, dd_A, trap, angles = split(proj)          (this order)
+    A    = min(−φ(dd_A), −A_floor),  φ(u) = 1 + u (u >= 0), 1/(1 − u) (u < 0)
+    DT   = softplus(dd_dt + dt_bias),  ADT = A·DT                  [Bt, T, H]
+    B̂, Ĉ = RMSNorm_N(B)·w_B, RMSNorm_N(C)·w_C                      [Bt, T, G, N]
+    y    = mamba3_siso_scan(Q=Ĉ, K=B̂, V=xv, ADT, DT, trap, C_bias, B_bias, angles, D, Z=z)
+    g    = y (already gated by silu(z))   or   GatedRMSNorm_P(y)·w ⊙ silu(z)  (is_outproj_norm)
+    out  = g · W_out                                  [Bt, T, Dm]
+
+Precision: in_proj, the B/C norms' outputs, x, z, the scan output and out_proj are in the dtype
+of `x` (the compute dtype); A, DT, ADT, the trap logit and the raw angles are float32 (the
+scan computes its state, rotation and accumulation in float32; the norms' statistics are f32).
+Parameters are float32 masters. The recurrent state (`Mamba3LayerState`) is float32. Float64
+inputs and parameters stay float64 throughout (for finite-difference checks).
+
+Boundary detail (spec §5 #20): at dd_A == 0 exactly, torch autograd of the official φ gives φ' = 2;
+here jnp.maximum/minimum split the tie, giving φ' = 1 (as mamba-rs). This is measure-zero.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmamba import ops
+from jmamba.dtypes import accum_dtype
+from jmamba.layers.dense import Dense
+from jmamba.layers.initializers import inverse_softplus_dt_bias
+from jmamba.layers.rmsnorm import RMSNorm, rms_norm
+from jmamba.mamba3.config import Mamba3Config
+from jmamba.ops.mamba3_siso_scan.api import check_states
+from jmamba.ops.mamba3_siso_scan.common import Mamba3ScanStates, expand_groups, siso_step
+from jmamba.ops.selective_scan.common import softplus_thresholded
+from jmamba.ops.validation import check_float, shape_of
+
+f32 = jnp.float32
+
+
+class Mamba3LayerState(NamedTuple):
+    """Recurrent state of one Mamba-3 layer (spec §3.3), official `Input_States` order.
+
+    Attributes:
+      angle: [Bt, H, S] float32, accumulated RoPE angle θ, wrapped into [0, 2π).
+      ssm: [Bt, H, P, N] float32, the SSM state h.
+      k: [Bt, H, N] float32, the previous key: post-norm, post-bias, post-RoPE B.
+      v: [Bt, H, P] float32, the previous value x.
+    """
+
+    angle: jax.Array
+    ssm: jax.Array
+    k: jax.Array
+    v: jax.Array
+
+
+def heavy_tail(u):
+    """φ(u) = 1 + u for u >= 0, 1/(1 − u) for u < 0 (the official `heavy_tail_activation`)."""
+    # The official clamp form: both branches are finite everywhere, so no NaN reaches the gradient.
+    return jnp.maximum(u, 0.0) + 1.0 / (1.0 - jnp.minimum(u, 0.0))
+
+
+class Mamba3Mixer(nnx.Module):
+    """One Mamba-3 SISO mixer with the official init (spec §2.1, §2.3).
+
+    Parameters (nnx paths, all float32): `in_proj.kernel [d_model, in_proj_dim]`, `dt_bias [H]`,
+    `B_bias [H, N]`, `C_bias [H, N]`, `B_norm.weight [N]`, `C_norm.weight [N]`, `D [H]`,
+    `norm.weight [d_inner]` (only when is_outproj_norm), `out_proj.kernel [d_inner, d_model]`.
+    """
+
+    def __init__(self, cfg: Mamba3Config, *, rngs: nnx.Rngs):
+        cfg.validate()
+        self.config = cfg
+        Dm, Di, H, N = cfg.d_model, cfg.d_inner, cfg.nheads, cfg.d_state
+        self.in_proj = Dense(Dm, cfg.in_proj_dim, rngs=rngs)
+        self.dt_bias = nnx.Param(
+            inverse_softplus_dt_bias(rngs.params(), (H,), cfg.dt_min, cfg.dt_max, cfg.dt_init_floor))
+        self.B_bias = nnx.Param(jnp.ones((H, N), f32))
+        self.C_bias = nnx.Param(jnp.ones((H, N), f32))
+        self.B_norm = RMSNorm(N, cfg.norm_eps)
+        self.C_norm = RMSNorm(N, cfg.norm_eps)
+        self.D = nnx.Param(jnp.ones((H,), f32))
+        self.norm = RMSNorm(Di, cfg.norm_eps) if cfg.is_outproj_norm else None
+        scale = cfg.n_layers ** -0.5 if cfg.rescale_out_proj else 1.0
+        self.out_proj = Dense(Di, Dm, init_scale=scale, rngs=rngs)
+
+    def init_state(self, batch: int) -> Mamba3LayerState:
+        cfg = self.config
+        H, P, N, S = cfg.nheads, cfg.headdim, cfg.d_state, cfg.num_rope_angles
+        return Mamba3LayerState(angle=jnp.zeros((batch, H, S), f32), ssm=jnp.zeros((batch, H, P, N), f32),
+                                k=jnp.zeros((batch, H, N), f32), v=jnp.zeros((batch, H, P), f32))
+
+    # ------------------------------------------------------------------------------ shared pieces
+    def _project(self, x):
+        """Steps 1-7 on x [..., Dm]: (z, xv [..., H, P] in x.dtype; B̂, Ĉ [..., G, N] in x.dtype;
+        ADT, DT, trap [..., H] and raw angles [..., S] in the accumulation dtype)."""
+        cfg = self.config
+        Di, H, P, G, N = cfg.d_inner, cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
+        acc = accum_dtype(x.dtype, self.dt_bias.dtype)
+        proj = self.in_proj(x)
+        bounds = [Di, 2 * Di, 2 * Di + G * N, 2 * Di + 2 * G * N, 2 * Di + 2 * G * N + H,
+                  2 * Di + 2 * G * N + 2 * H, 2 * Di + 2 * G * N + 3 * H]
+        z, xv, B, C, dd_dt, dd_A, trap, angles = jnp.split(proj, bounds, axis=-1)
+        lead = x.shape[:-1]
+        A = jnp.minimum(-heavy_tail(dd_A.astype(acc)), -cfg.A_floor)
+        DT = softplus_thresholded(dd_dt.astype(acc) + self.dt_bias[...].astype(acc))
+        B_hat = self.B_norm(B.reshape(lead + (G, N)), x.dtype)
+        C_hat = self.C_norm(C.reshape(lead + (G, N)), x.dtype)
+        return (z.reshape(lead + (H, P)), xv.reshape(lead + (H, P)), B_hat, C_hat, A * DT, DT,
+                trap.astype(acc), angles.astype(acc))
+
+    def _output(self, y, z):
+        """Steps 12-13: y [..., H, P] (gated already unless is_outproj_norm) -> out [..., Dm]."""
+        cfg = self.config
+        if self.norm is not None:
+            acc = accum_dtype(y.dtype, self.norm.weight.dtype)
+            w = self.norm.weight[...].astype(acc).reshape(cfg.nheads, cfg.headdim)
+            # gated RMSNorm: statistics per head (group = headdim), the gate multiplies after the norm
+            y = (rms_norm(y.astype(acc), w, cfg.norm_eps) * jax.nn.silu(z.astype(acc))).astype(z.dtype)
+        return self.out_proj(y.reshape(y.shape[:-2] + (cfg.d_inner,)))
+
+    def _check_x(self, x, ndim):
+        check_float("x", x)
+        s = shape_of(x)
+        if len(s) != ndim or s[-1] != self.config.d_model:
+            what = "[batch, seqlen, %d]" if ndim == 3 else "[batch, %d]"
+            raise ValueError(f"x must have shape {what % self.config.d_model} (d_model), got {s}")
+
+    # ------------------------------------------------------------------------------------ forward
+    def __call__(self, x, state: Mamba3LayerState | None = None, *, reset=None):
+        """Mixes a window.
+
+        Args:
+          x: [Bt, T, d_model] normalized input, in the compute dtype.
+          state: incoming state (zeros when None).
+          reset: optional [Bt] or [Bt, T] bool; True zeroes the four states entering the row
+            (at position t), i.e. a fresh sequence starts there.
+
+        Returns:
+          (out [Bt, T, d_model] in x.dtype, new Mamba3LayerState).
+        """
+        self._check_x(x, 3)
+        z, xv, B_hat, C_hat, ADT, DT, trap, angles = self._project(x)
+        y, final = ops.mamba3_siso_scan(
+            C_hat, B_hat, xv, ADT, DT, trap, self.C_bias[...], self.B_bias[...], angles,
+            D=self.D[...], Z=None if self.norm is not None else z, initial_states=state,
+            return_final_states=True, chunk_size=self.config.chunk_size, reset=reset)
+        return self._output(y, z), Mamba3LayerState(*final)
+
+    def step(self, x_t, state: Mamba3LayerState):
+        """Single-token decode (spec §3.5). x_t: [Bt, d_model] -> (out [Bt, d_model], new state)."""
+        self._check_x(x_t, 2)
+        cfg = self.config
+        check_states(state, shape_of(x_t)[0], cfg.nheads, cfg.headdim, cfg.d_state, cfg.num_rope_angles, "state")
+        z, xv, B_hat, C_hat, ADT, DT, trap, angles = self._project(x_t)
+        acc = ADT.dtype
+        q_bar = expand_groups(C_hat.astype(acc), cfg.nheads) + self.C_bias[...].astype(acc)   # [Bt, H, N]
+        k_bar = expand_groups(B_hat.astype(acc), cfg.nheads) + self.B_bias[...].astype(acc)
+        angles = jnp.broadcast_to(angles[:, None, :], (angles.shape[0], cfg.nheads, angles.shape[-1]))
+        states = Mamba3ScanStates(*(s.astype(accum_dtype(acc, s.dtype)) for s in state))
+        y, new = siso_step(states, q_bar, k_bar, xv.astype(acc), ADT, DT, trap, angles,
+                           self.D[...].astype(acc), None if self.norm is not None else z.astype(acc))
+        return self._output(y.astype(x_t.dtype), z), Mamba3LayerState(*new)

@@ -1,0 +1,104 @@
+"""Pieces shared by every `mamba3_siso_scan` implementation and by the Mamba-3 decode step.
+
+Everything here computes in the accumulation dtype (`jmamba.dtypes.accum_dtype`: float32, or
+float64 when an input is float64). Shapes use Bt batch, T time, H heads, G groups, N d_state,
+P headdim, S rope angles (spec/mamba3_siso.md §0).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+TWO_PI = 2.0 * math.pi
+
+
+class Mamba3ScanStates(NamedTuple):
+    """The four recurrent states of a Mamba-3 SISO scan (official `Input_States` order).
+
+    Attributes:
+      angle: [Bt, H, S] accumulated RoPE angle θ_{T-1}, wrapped into [0, 2π).
+      ssm: [Bt, H, P, N] the true SSM state h_{T-1} (no pending β term).
+      k: [Bt, H, N] the last key k_{T-1}: post-norm, post-bias, post-RoPE, not scaled.
+      v: [Bt, H, P] the last value x_{T-1} (the raw in_proj x slice).
+    """
+
+    angle: jax.Array
+    ssm: jax.Array
+    k: jax.Array
+    v: jax.Array
+
+
+def zero_states(bsz, H, P, N, S, dtype) -> Mamba3ScanStates:
+    return Mamba3ScanStates(jnp.zeros((bsz, H, S), dtype), jnp.zeros((bsz, H, P, N), dtype),
+                            jnp.zeros((bsz, H, N), dtype), jnp.zeros((bsz, H, P), dtype))
+
+
+def expand_groups(x, nheads):
+    """[..., G, N] -> [..., H, N]: head h reads group h // (H / G) (contiguous blocks, as official)."""
+    return jnp.repeat(x, nheads // x.shape[-2], axis=-2)
+
+
+def rotate_pairs(x, theta):
+    """Rotates adjacent pairs (2a, 2a+1) of x by +θ_a for a < S; dims 2S.. pass through.
+
+    x: [..., N]; theta: [..., S] with S <= N/2 (broadcastable leading dims). Spec §3.2 step 10.
+    """
+    S = theta.shape[-1]
+    x0, x1 = x[..., 0:2 * S:2], x[..., 1:2 * S:2]
+    c, s = jnp.cos(theta), jnp.sin(theta)
+    rotated = jnp.stack([c * x0 - s * x1, s * x0 + c * x1], axis=-1).reshape(x.shape[:-1] + (2 * S,))
+    return jnp.concatenate([rotated, x[..., 2 * S:]], axis=-1)
+
+
+def angle_increment(angles, dt):
+    """π·tanh(angles_raw)·DT: the per-step RoPE angle increment. angles [..., H, S], dt [..., H]."""
+    return math.pi * jnp.tanh(angles) * dt[..., None]
+
+
+def wrap_angle(theta):
+    """Floor-mod into [0, 2π); its derivative is 1 (spec §4.4 step 5 treats the wrap as identity)."""
+    return jnp.mod(theta, TWO_PI)
+
+
+def siso_step(states: Mamba3ScanStates, q_bar, k_bar, v, adt, dt, trap, angles, D, z):
+    """One step of the trapezoidal recurrence (spec §3.2 steps 9-12, §6.1), all heads at once.
+
+    Args:
+      states: the incoming states (angle [Bt,H,S], ssm [Bt,H,P,N], k [Bt,H,N], v [Bt,H,P]).
+      q_bar, k_bar: [Bt, H, N] biased, unrotated query (C) and key (B).
+      v: [Bt, H, P] value (x). adt, dt, trap: [Bt, H] (ADT = A·DT, DT, raw trap logit).
+      angles: [Bt, H, S] raw angles. D: [H] or None. z: [Bt, H, P] gate or None.
+
+    Returns:
+      (y [Bt, H, P], new states). Everything in the dtype of the inputs (the caller casts).
+    """
+    theta = wrap_angle(states.angle + angle_increment(angles, dt))
+    q = rotate_pairs(q_bar, theta)
+    k = rotate_pairs(k_bar, theta)
+    lam = jax.nn.sigmoid(trap)
+    alpha = jnp.exp(adt)
+    beta = (1.0 - lam) * dt * alpha        # weight of the previous input v_{t-1} k_{t-1}ᵀ
+    gamma = lam * dt                       # weight of the current input v_t k_tᵀ
+    h = (alpha[..., None, None] * states.ssm
+         + beta[..., None, None] * states.v[..., :, None] * states.k[..., None, :]
+         + gamma[..., None, None] * v[..., :, None] * k[..., None, :])
+    y = jnp.einsum("bhpn,bhn->bhp", h, q, precision=jax.lax.Precision.HIGHEST)
+    if D is not None:
+        y = y + D[:, None] * v
+    if z is not None:
+        y = y * jax.nn.silu(z)
+    return y, Mamba3ScanStates(theta, h, k, v)
+
+
+def reset_from_row_mask(reset, bsz, seqlen):
+    """Normalizes a `[Bt]` or `[Bt, T]` reset mask to `[Bt, T]` bool (a row mask resets at t=0)."""
+    if reset is None:
+        return None
+    reset = jnp.asarray(reset, bool)
+    if reset.ndim == 1:
+        return jnp.zeros((bsz, seqlen), bool).at[:, 0].set(reset)
+    return reset
