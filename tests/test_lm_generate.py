@@ -12,7 +12,7 @@ from flax import nnx
 
 import numpy_mamba1 as npm
 from helpers import assert_close
-from jmamba import Mamba1Config, MambaLM, generate, load_safetensors, save_safetensors
+from jmamba import Mamba1Config, Mamba3Config, MambaLM, generate, load_safetensors, save_safetensors
 from jmamba.sampling import sample_next
 
 CFG = Mamba1Config(d_model=8, n_layers=2, d_state=4, d_conv=3)
@@ -32,8 +32,12 @@ def test_lm_logits_match_numpy(tie):
     assert ("lm_head" in p) == (not tie)
 
 
-def test_lm_step_matches_call():
-    lm = MambaLM(CFG, 11, rngs=nnx.Rngs(0))
+CFG3 = Mamba3Config(d_model=16, n_layers=2, d_state=8, headdim=8, chunk_size=4)
+
+
+@pytest.mark.parametrize("cfg", [CFG, CFG3], ids=["mamba1", "mamba3"])
+def test_lm_step_matches_call(cfg):
+    lm = MambaLM(cfg, 11, rngs=nnx.Rngs(0))
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 11, size=(2, 6)))
     full, _ = lm(ids)
     state = lm.init_state(2)
@@ -50,8 +54,9 @@ def manual_greedy(lm, prompt, n):
     return ids
 
 
-def test_generate_greedy_equals_full_recompute():
-    lm = MambaLM(CFG, 13, rngs=nnx.Rngs(2))
+@pytest.mark.parametrize("cfg", [CFG, CFG3], ids=["mamba1", "mamba3"])
+def test_generate_greedy_equals_full_recompute(cfg):
+    lm = MambaLM(cfg, 13, rngs=nnx.Rngs(2))
     prompt = jnp.asarray(np.random.default_rng(2).integers(0, 13, size=(3, 4)), jnp.int32)
     out = generate(lm, prompt, 6)
     assert out.shape == (3, 10)
@@ -137,3 +142,13 @@ def test_main_job_trains_checkpoints_and_resumes(tmp_path, capsys):
     assert "70" in os.listdir(os.path.join(out, "checkpoints"))
     with pytest.raises(ValueError, match="d_model"):
         main(["--steps", "80", *[c if c != "32" else "48" for c in common[:2]], *common[2:]])
+
+
+def test_main_job_mamba3(tmp_path, capsys):
+    from jmamba.train_char_lm import main
+    out = os.path.join(tmp_path, "run3")
+    assert main(["--arch", "mamba3", "--steps", "40", "--d-model", "32", "--d-state", "16", "--headdim", "16",
+                 "--seq-len", "32", "--batch-size", "8", "--sample-tokens", "10", "--out", out]) == 0
+    text = capsys.readouterr().out
+    first, last = [float(v) for v in text.split("loss: first step ")[1].split(" nats")[0].split(" -> last ")]
+    assert last < first - 1.0, text

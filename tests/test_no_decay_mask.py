@@ -181,3 +181,18 @@ def test_real_mamba3_backbone_if_present():
         want = [p for p in MAMBA3_REFERENCE if outproj_norm or not p.endswith("mixer.norm.weight")]
         assert sorted(no_decay_paths(params, "mamba3")) == want
         assert sorted(no_decay_paths(params, "mamba3", "official")) == MAMBA3_OFFICIAL
+
+
+def test_reference_mask_on_the_real_mamba3_module():
+    """The Mamba-3 paths the mask relies on are the module's real parameter paths."""
+    import jmamba
+    from flax import nnx
+    cfg = jmamba.Mamba3Config(d_model=16, n_layers=2, d_state=8, headdim=8, input_dim=3, is_outproj_norm=True)
+    params = nnx.state(jmamba.Mamba3Backbone(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    got = sorted(no_decay_paths(params, "mamba3", "reference"))
+    per_layer = ["B_bias", "B_norm.weight", "C_bias", "C_norm.weight", "D", "dt_bias", "norm.weight"]
+    want = sorted(["input_proj.bias", "norm_f.weight"] + [f"layers.{i}.norm.weight" for i in range(2)] +
+                  [f"layers.{i}.mixer.{k}" for i in range(2) for k in per_layer])
+    assert got == want
+    assert sorted(no_decay_paths(params, "mamba3", "official")) == sorted(
+        f"layers.{i}.mixer.{k}" for i in range(2) for k in ("D", "dt_bias"))
