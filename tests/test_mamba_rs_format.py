@@ -14,8 +14,9 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 import numpy_mamba1 as npm
+import numpy_mamba3 as npm3
 from helpers import assert_close
-from jmamba import Mamba1Backbone, Mamba1Config
+from jmamba import Mamba1Backbone, Mamba1Config, Mamba3Backbone, Mamba3Config
 from jmamba.interop.mamba_rs import load_mamba_rs, save_mamba_rs
 
 CFG = Mamba1Config(d_model=16, n_layers=2, d_state=4, d_conv=3, input_dim=5)
@@ -89,7 +90,9 @@ def rewrite(path, fn, meta_fn=None):
      r"conv1d.weight' must have shape \(32, 3\)"),
     (lambda p: rewrite(p, lambda t: t.update({"layers.0.D": np.zeros(32, np.float16)})), "float32"),
     (lambda p: rewrite(p, lambda t: None, lambda m: m.pop("config")), "no 'config' metadata"),
-    (lambda p: rewrite(p, lambda t: None, lambda m: m.update(config=json.dumps({"mamba_version": 3}))), "mamba_version 3"),
+    (lambda p: rewrite(p, lambda t: None, lambda m: m.update(config=json.dumps({"mamba_version": 7}))), "mamba_version 7"),
+    (lambda p: rewrite(p, lambda t: None, lambda m: m.update(config=json.dumps({"mamba_version": 3, "d_model": 16}))),
+     "config metadata lacks"),
     (lambda p: open(p, "wb").write(b"\x00" * 3), "not a readable safetensors"),
 ])
 def test_bad_files(tmp_path, mutate, match):
@@ -97,3 +100,52 @@ def test_bad_files(tmp_path, mutate, match):
     mutate(path)
     with pytest.raises(ValueError, match=match):
         load_mamba_rs(path)
+
+
+# --------------------------------------------------------------------------------------- Mamba-3
+CFG3 = Mamba3Config(d_model=16, n_layers=2, d_state=8, headdim=8, ngroups=2, input_dim=5, chunk_size=4)
+
+
+def perturbed3(cfg):
+    model = Mamba3Backbone(cfg, rngs=nnx.Rngs(0))
+    g, p = nnx.split(model)
+    leaves, tdef = jax.tree.flatten(p)
+    keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+    return nnx.merge(g, jax.tree.unflatten(tdef, [a + 0.1 * jax.random.normal(k, a.shape) for a, k in zip(leaves, keys)]))
+
+
+@pytest.mark.parametrize("outproj_norm", [False, True])
+def test_mamba3_file_layout_checked_against_numpy_and_round_trip(tmp_path, outproj_norm):
+    import dataclasses
+    cfg = dataclasses.replace(CFG3, is_outproj_norm=outproj_norm)
+    model = perturbed3(cfg)
+    path = os.path.join(tmp_path, "rs3.safetensors")
+    save_mamba_rs(path, nnx.state(model, nnx.Param), cfg)
+    t = load_file(path)
+    with safe_open(path, framework="numpy") as f:
+        meta = json.loads(f.metadata()["config"])
+    assert meta["mamba_version"] == 3 and meta["headdim"] == 8 and meta["ngroups"] == 2
+    assert t["layers.0.b_bias"].shape == (4, 8) and t["layers.1.norm_gate.weight"].shape == (32,)
+    if not outproj_norm:
+        np.testing.assert_array_equal(t["layers.0.norm_gate.weight"], 1.0)
+    # numpy model straight from the mamba-rs tensors: official state_dict = transposed [in, out] linears
+    x = np.random.default_rng(0).normal(size=(2, 7, 5))
+    h = x @ t["input_proj.weight"] + t["input_proj.bias"]
+    kw = dict(d_model=16, d_state=8, expand=2, headdim=8, ngroups=2, rope_fraction=0.5, A_floor=cfg.A_floor,
+              is_outproj_norm=outproj_norm)
+    for i in range(2):
+        g = lambda k: np.asarray(t[f"layers.{i}.{k}"], np.float64)
+        sd = {"in_proj.weight": g("in_proj.weight").T, "dt_bias": g("dt_bias"), "B_bias": g("b_bias")[:, None],
+              "C_bias": g("c_bias")[:, None], "B_norm.weight": g("b_norm.weight"), "C_norm.weight": g("c_norm.weight"),
+              "D": g("D"), "out_proj.weight": g("out_proj.weight").T, "norm.weight": g("norm_gate.weight")}
+        out, _ = npm3.mixer_forward(sd, npm3.rmsnorm(h, g("norm.weight"), 1e-5), kw)
+        h = h + out
+    want = npm3.rmsnorm(h, t["norm_f.weight"], 1e-5)
+    y, _ = nnx.jit(lambda m, x: m(x))(model, jnp.asarray(x, jnp.float32))
+    assert_close("y", y, want, 2e-5)
+    params, cfg2 = load_mamba_rs(path, is_outproj_norm=outproj_norm)
+    assert cfg2 == dataclasses.replace(cfg, rescale_out_proj=False, chunk_size=64)
+    st = nnx.state(Mamba3Backbone(cfg2, rngs=nnx.Rngs(5)), nnx.Param)
+    nnx.replace_by_pure_dict(st, params)
+    for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(nnx.state(model, nnx.Param))):
+        np.testing.assert_array_equal(a, b)
