@@ -44,6 +44,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jmamba.ops import dispatch
+from jmamba.ops.batch_sharding import call_batch_sharded
 from jmamba.ops.mamba3_siso_scan.common import Mamba3ScanStates, reset_from_row_mask
 from jmamba.ops.validation import check_array, check_bool_mask, check_float, shape_of
 
@@ -113,8 +114,10 @@ def mamba3_siso_scan(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Z=N
 
     impl = dispatch.choose(OP, implementation, Q=Q, V=V, Angles=Angles, initial_states=initial_states,
                            reset=reset, chunk_size=chunk_size)
-    out, final = impl.fn(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, initial_states, reset,
-                         chunk_size=chunk_size)
+    # batched: Q K V ADT DT Trap | biases replicated | Angles batched, D replicated, Z, states, reset batched
+    out, final = call_batch_sharded(
+        impl.fn, (Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, initial_states, reset),
+        (True,) * 6 + (False, False, True, False, True, True, True), chunk_size=chunk_size)
     return (out, Mamba3ScanStates(*final)) if return_final_states else out
 
 
@@ -153,3 +156,11 @@ def _load_xla():
 
 dispatch.register(OP, "reference", _load_reference)
 dispatch.register(OP, "xla", _load_xla)
+
+
+def _load_pallas():
+    from jmamba.ops.mamba3_siso_scan.pallas import implementation
+    return implementation()
+
+
+dispatch.register(OP, "pallas", _load_pallas)

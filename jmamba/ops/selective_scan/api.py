@@ -15,6 +15,7 @@ included, is differentiable.
 from __future__ import annotations
 
 from jmamba.ops import dispatch
+from jmamba.ops.batch_sharding import call_batch_sharded
 from jmamba.ops.selective_scan.common import reset_from_row_mask
 from jmamba.ops.validation import check_array, check_bool_mask, check_float, shape_of
 
@@ -67,8 +68,10 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
         raise TypeError(f"delta_softplus must be a bool, got {type(delta_softplus).__name__}")
 
     impl = dispatch.choose(OP, implementation, u=u, A=A, B=B, initial_state=initial_state, reset=reset)
-    out, final_state = impl.fn(u, delta, A, B, C, D, z, delta_bias, initial_state, reset,
-                               delta_softplus=delta_softplus)
+    # batch-sharded under a data-parallel mesh: u delta | A | B C | D | z | delta_bias | state reset
+    out, final_state = call_batch_sharded(
+        impl.fn, (u, delta, A, B, C, D, z, delta_bias, initial_state, reset),
+        (True, True, False, True, True, False, True, False, True, True), delta_softplus=delta_softplus)
     return (out, final_state) if return_final_state else out
 
 
@@ -101,3 +104,11 @@ def _load_xla():
 
 dispatch.register(OP, "reference", _load_reference)
 dispatch.register(OP, "xla", _load_xla)
+
+
+def _load_pallas():
+    from jmamba.ops.selective_scan.pallas import implementation
+    return implementation()
+
+
+dispatch.register(OP, "pallas", _load_pallas)

@@ -1,0 +1,221 @@
+"""Backward kernels of the Pallas selective scan (GPU via Triton; CPU via the Pallas interpreter).
+
+The adjoint of h_t = ā_t·h_{t-1} + β_t runs right to left, dh_t = Gy_t·C_t + ā_{t+1}·dh_{t+1}
+(spec §5.2), while the gradients need h_t and dh_t at the same step. Nothing of size [Bt, T, d, n] is
+stored; instead:
+
+  1. `adjoint_summaries` — program (b, channel block, chunk) walks its chunk right to left from a zero
+     adjoint and writes R_j = ā_first·dh_first (what the chunk passes to its left neighbour), plus, at
+     every `bwd_sub_chunk` boundary, the local adjoint entering that sub-chunk from the right and the
+     sum of δ to the right of it (so the true adjoint can be rebuilt later without a second walk).
+  2. `combine.chunk_states(reverse=True)` — G_{j-1} = P_j·G_j + R_j gives the adjoint entering each
+     chunk from the right (and ∂h_{-1}).
+  3. `chunk_gradients` — each program walks its chunk left to right from the forward chunk state H_j,
+     one sub-chunk at a time: it runs the sub-chunk forward keeping its `bwd_sub_chunk` states in
+     registers, rebuilds the adjoint at the sub-chunk's right end
+         dh_in = local_in + exp(A·Σ_{right} δ)·G_j     (0·G_j when a reset lies to the right),
+     and walks the sub-chunk backwards, producing du, dδ, dz per element, per-step partial dB, dC
+     summed over the program's channels, and per-program partial dA, dD, d delta_bias.
+
+Numerics: float32 for δ, ā, states, adjoints and every accumulation; du / d delta / dz are rounded once
+to the input dtype when stored; partial sums are float32 and reduced outside the kernel in a fixed
+order (no atomics, so two runs are bit-identical). ā_t·h_{t-1} is formed from the kept h_{t-1} (no
+h_t − β_t cancellation). HBM passes: (1) reads delta, z, d_out, C; (3) reads every input once and writes
+the gradients; the sub-chunk adjoints are [Bt, T/bwd_sub_chunk, n, d] float32, written once and read once.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.selective_scan import layout
+from pallas_kernels.selective_scan.config import ScanProblem
+from pallas_kernels.selective_scan.forward import RowReader, common_inputs
+from pallas_kernels.selective_scan.kernel_math import LN_2, decay, sigmoid, softplus_thresholded_grad
+
+F32 = jnp.float32
+
+
+def output_gradient(rd: RowReader, t, has_z):
+    """(Gy_t = d_out_t·silu(z_t), d_out_t, z_t, σ(z_t)) as float32 rows; z parts None without z."""
+    d_out = rd.row("d_out", t)
+    if not has_z:
+        return d_out, d_out, None, None
+    z = rd.row("z", t)
+    sz = sigmoid(z)
+    return d_out * z * sz, d_out, z, sz
+
+
+def adjoint_summaries(problem: ScanProblem, ops: dict):
+    """Pass 1 of the backward: per-chunk adjoints from a zero right boundary.
+
+    Args:
+      ops: padded operands: delta, z (or None), d_out [Bt, Tp, d]; C [Bt, Tp, g, n]; A_t [n, d] (A·log2 e);
+        bias [d] or None; keep [Bt, Tp] or None.
+
+    Returns:
+      R [Bt, nc, n, d] f32: ā_first·dh_first of each chunk (local adjoint leaving it to the left);
+      sub_adjoint [Bt, nc, nk, n, d] f32: local adjoint entering each sub-chunk from its right;
+      sub_right_delta [Bt, nc, nk, d] f32: Σ δ over the steps of the chunk right of each sub-chunk.
+    """
+    cfg = problem.config
+    bsz = ops["delta"].shape[0]
+    n, bd, sub, nk = problem.n, cfg.block_d, cfg.bwd_sub_chunk, problem.n_sub_chunks
+    grid = problem.grid(bsz)
+
+    def body(refs):
+        rd = RowReader(problem, grid, refs)
+        A = rd.load("A_t").astype(F32)
+
+        def sub_chunk(kk, carry):
+            c, right_delta = carry
+            k = nk - 1 - kk
+            rd.store("sub_adjoint", c, k)
+            rd.store("sub_right_delta", right_delta, k)
+            ts = [k * sub + i for i in range(sub)]
+            rows = [(t, output_gradient(rd, t, problem.has_z)[0], rd.delta(t), rd.prefetch_state_row("C", t),
+                     rd.keep(t)) for t in ts]
+            for t, gy, dl, cr, keep in reversed(rows):
+                cr = rd.state_row("C", t, cr)
+                dh = gy[None, :] * cr[:, None] + c
+                c = decay(dl, A, keep) * dh
+                right_delta = right_delta + dl
+            return c, right_delta
+
+        c, _ = jax.lax.fori_loop(0, nk, sub_chunk, (jnp.zeros((n, bd), F32), jnp.zeros((bd,), F32)))
+        rd.store("R", c)
+
+    nc = problem.n_chunks
+    out = layout.run_kernel(
+        body, problem, grid,
+        common_inputs(problem, grid, ops, ("delta", "z", "d_out", "C", "A_t", "bias", "keep")),
+        [("R", jax.ShapeDtypeStruct((bsz, nc, n, problem.d), F32), grid.chunk_state(n, bd)),
+         ("sub_adjoint", jax.ShapeDtypeStruct((bsz, nc, nk, n, problem.d), F32),
+          grid.sub_chunk_states(nk, n, bd)),
+         ("sub_right_delta", jax.ShapeDtypeStruct((bsz, nc, nk, problem.d), F32),
+          grid.sub_chunk_vectors(nk, bd))],
+        "selective_scan_bwd_adjoint_summaries")
+    return out["R"], out["sub_adjoint"], out["sub_right_delta"]
+
+
+def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_right_adjoints,
+                    sub_adjoint, sub_right_delta, sub_keep_right):
+    """Pass 3 of the backward: every gradient, chunk by chunk.
+
+    Args:
+      ops: padded operands: u, delta, z (or None), d_out [Bt, Tp, d]; B, C [Bt, Tp, g, n]; A_t [n, d] (A·log2 e);
+        D, bias [d] or None; keep [Bt, Tp] or None.
+      chunk_start_states: H_j [Bt, nc, n, d] f32 (forward state entering chunk j).
+      chunk_right_adjoints: G_j [Bt, nc, n, d] f32 (adjoint entering chunk j from the right).
+      sub_adjoint, sub_right_delta: from `adjoint_summaries`.
+      sub_keep_right: [Bt, nc, nk] f32, 0.0 where a reset lies right of sub-chunk k inside chunk j;
+        None without resets.
+
+    Returns:
+      dict with du, d_delta (d of the raw delta) [Bt, Tp, d] in the input dtypes, dz (if z),
+      dB_partial, dC_partial [Bt, Tp, d/block_d, n] f32, dA_partial [Bt, nc, n, d] f32,
+      dD_partial (if D), d_bias_partial [Bt, nc, d] f32.
+    """
+    cfg = problem.config
+    bsz, _, d = ops["u"].shape
+    n, bd, sub, nk, nc = problem.n, cfg.block_d, cfg.bwd_sub_chunk, problem.n_sub_chunks, problem.n_chunks
+    has_z, has_D, softplus = problem.has_z, problem.has_D, problem.softplus
+    grid = problem.grid(bsz)
+
+    def body(refs):
+        rd = RowReader(problem, grid, refs)
+        A = rd.load("A_t").astype(F32)
+        D = rd.load("D").astype(F32) if has_D else None
+        G = rd.load("G")
+
+        def sub_chunk(k, carry):
+            h, dA, dD, d_bias = carry
+            ts = [k * sub + i for i in range(sub)]
+            rows = []
+            for t in ts:
+                raw = rd.delta_raw(t)
+                gy, d_out, z, sz = output_gradient(rd, t, has_z)
+                rows.append(dict(t=t, raw=raw, dl=rd.delta(t, raw), u=rd.row("u", t), keep=rd.keep(t), gy=gy,
+                                 d_out=d_out, z=z, sz=sz, b=rd.prefetch_state_row("B", t),
+                                 c=rd.prefetch_state_row("C", t)))
+            # Forward over the sub-chunk, keeping every state (registers: sub × [n, block_d]).
+            states = [h]
+            for r in rows:
+                b = rd.state_row("B", r["t"], r["b"])
+                states.append(decay(r["dl"], A, r["keep"]) * states[-1] + (r["dl"] * r["u"])[None, :] * b[:, None])
+            # The true adjoint entering the sub-chunk from the right.
+            psi = jnp.exp2(A * rd.load("sub_right_delta", k)[None, :])
+            if problem.has_reset:
+                psi = psi * refs["sub_keep_right"][k]
+            c = rd.load("sub_adjoint", k) + psi * G
+            row_stores = []   # per-channel rows are stored after the walk (see forward.chunk_outputs)
+            for i in reversed(range(sub)):
+                r = rows[i]
+                h_t, h_prev = states[i + 1], states[i]
+                a = decay(r["dl"], A, r["keep"])
+                b, cr = rd.state_row("B", r["t"], r["b"]), rd.state_row("C", r["t"], r["c"])
+                dh = r["gy"][None, :] * cr[:, None] + c
+                hb = jnp.sum(dh * b[:, None], axis=0)                      # Σ_n dh·B   [block_d]
+                x = dh * (a * h_prev)                                         # dh·ā·h_{t-1} [n, block_d]
+                d_dl = r["u"] * hb + LN_2 * jnp.sum(A * x, axis=0)          # A = LN_2·A2
+                du = r["dl"] * hb
+                if D is not None:
+                    du = du + D * r["gy"]
+                    dD = dD + r["gy"] * r["u"]
+                dA = dA + r["dl"][None, :] * x
+                c = a * dh
+                d_raw = d_dl * softplus_thresholded_grad(r["raw"]) if softplus else d_dl
+                if problem.has_time_padding:
+                    d_raw = jnp.where(rd.chunk_start + r["t"] < problem.seqlen, d_raw, 0.0)
+                d_bias = d_bias + d_raw
+                t = r["t"]
+                row_stores += [("du", t, du), ("d_delta", t, d_raw)]
+                refs["dC_partial"][t, :] = jnp.sum(r["gy"][None, :] * h_t, axis=1)
+                refs["dB_partial"][t, :] = jnp.sum(dh * (r["dl"] * r["u"])[None, :], axis=1)
+                if has_z:
+                    y = jnp.sum(h_t * cr[:, None], axis=0)
+                    if D is not None:
+                        y = y + D * r["u"]
+                    sz, z = r["sz"], r["z"]
+                    row_stores.append(("dz", t, r["d_out"] * y * (sz * (1.0 + z * (1.0 - sz)))))
+            for name, t, value in row_stores:
+                rd.store(name, value, t)
+            return states[-1], dA, dD, d_bias
+
+        zeros_row = jnp.zeros((bd,), F32)
+        _, dA, dD, d_bias = jax.lax.fori_loop(
+            0, nk, sub_chunk, (rd.load("H"), jnp.zeros((n, bd), F32), zeros_row, zeros_row))
+        rd.store("dA_partial", dA)
+        if has_D:
+            rd.store("dD_partial", dD)
+        if problem.has_bias:
+            rd.store("d_bias_partial", d_bias)
+
+    inputs = common_inputs(problem, grid, ops, ("u", "delta", "z", "d_out", "B", "C", "A_t", "D", "bias", "keep")) + [
+        ("H", chunk_start_states, grid.chunk_state(n, bd)),
+        ("G", chunk_right_adjoints, grid.chunk_state(n, bd)),
+        ("sub_adjoint", sub_adjoint, grid.sub_chunk_states(nk, n, bd)),
+        ("sub_right_delta", sub_right_delta, grid.sub_chunk_vectors(nk, bd)),
+    ]
+    if problem.has_reset:
+        inputs.append(("sub_keep_right", sub_keep_right, grid.sub_chunk_flags(nk)))
+    rows_spec = grid.rows(cfg.chunk, bd)
+    tp = problem.padded_seqlen
+    outputs = [
+        ("du", jax.ShapeDtypeStruct((bsz, tp, d), ops["u"].dtype), rows_spec),
+        ("d_delta", jax.ShapeDtypeStruct((bsz, tp, d), ops["delta"].dtype), rows_spec),
+        ("dB_partial", jax.ShapeDtypeStruct((bsz, tp, problem.n_channel_blocks, n), F32),
+         grid.partial_rows(cfg.chunk, n)),
+        ("dC_partial", jax.ShapeDtypeStruct((bsz, tp, problem.n_channel_blocks, n), F32),
+         grid.partial_rows(cfg.chunk, n)),
+        ("dA_partial", jax.ShapeDtypeStruct((bsz, nc, n, d), F32), grid.chunk_state(n, bd)),
+    ]
+    if has_z:
+        outputs.append(("dz", jax.ShapeDtypeStruct((bsz, tp, d), ops["z"].dtype), rows_spec))
+    if has_D:
+        outputs.append(("dD_partial", jax.ShapeDtypeStruct((bsz, nc, d), F32), grid.chunk_vector(bd)))
+    if problem.has_bias:
+        outputs.append(("d_bias_partial", jax.ShapeDtypeStruct((bsz, nc, d), F32), grid.chunk_vector(bd)))
+    return layout.run_kernel(body, problem, grid, inputs, outputs,
+                             "selective_scan_bwd_chunk_gradients")

@@ -1,0 +1,156 @@
+"""Block sizes and launch parameters of the Pallas selective-scan kernels (one frozen dataclass).
+
+Why a separate module: the kernels, the custom_vjp wrapper, the benchmark and the tests all need to
+agree on how a call is tiled, and the benchmark sweeps these values on the GPU. Everything here is
+static (Python ints), so it becomes part of the jit cache key.
+
+Tiling (see `scan.py` for the algorithm):
+  * `block_d` channels per program; the state of a program is an `[n, block_d]` float32 tile held in
+    registers (n = d_state padded to a power of two).
+  * `chunk` time steps per program: the grid is (batch, channel blocks, time chunks), so a sequence is
+    cut into `T / chunk` chunks that run in parallel and are stitched by a tiny combine pass.
+  * `fwd_unroll` steps are unrolled per loop iteration in the forward kernels: their rows are loaded
+    together, so the loads of several steps are in flight at once.
+  * `bwd_sub_chunk` steps are unrolled per loop iteration in the backward kernels; the backward keeps
+    that many `[n, block_d]` states in registers, and the per-sub-chunk adjoint states
+    (`T / bwd_sub_chunk` of them) are the only extra memory of the backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def next_power_of_2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def largest_power_of_2_dividing(x: int) -> int:
+    return x & -x
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanBlockConfig:
+    """Static tiling of one selective-scan call.
+
+    Attributes:
+      block_d: channels per program (power of two).
+      chunk: time steps per program (a multiple of `fwd_unroll` and `bwd_sub_chunk`).
+      fwd_unroll: steps unrolled per loop iteration in the forward kernels.
+      bwd_sub_chunk: steps unrolled per loop iteration in the backward kernels (states kept in registers).
+      num_warps: Triton warps per program (the [n, block_d] tile is spread over them).
+      num_stages: Triton software-pipelining depth (the time loops have no dot, so this matters little).
+      bwd_block_d, bwd_num_warps: the same for the backward kernels (None: as the forward). The chunk
+        is shared (the backward restarts from the forward's chunk states), channel blocking is not.
+      prefetch_bc: load the B/C rows of an unrolled group up front with the other rows (their loads
+        overlap, but every thread holds n values per row and step: registers) or at each step.
+      hide_channel_alignment: a register-layout hint (see channels.py): one channel per lane instead of
+        4-channel vectors. Same values either way; no speed difference was measurable on the H200
+        (within the ~10% run-to-run spread), the default is on because the tables were measured so.
+    """
+
+    # Defaults: the best fwd+bwd of the 2026-11-30 H200 sweeps (benchmarks/notes_selective_scan.md).
+    block_d: int = 32
+    chunk: int = 64
+    fwd_unroll: int = 8
+    bwd_sub_chunk: int = 4
+    num_warps: int = 1
+    num_stages: int = 1
+    bwd_block_d: int | None = None
+    bwd_num_warps: int | None = None
+    prefetch_bc: bool = False
+    hide_channel_alignment: bool = True
+
+    def validate(self) -> "ScanBlockConfig":
+        for name in ("block_d", "fwd_unroll", "bwd_sub_chunk", "num_warps", "bwd_block_d", "bwd_num_warps"):
+            v = getattr(self, name)
+            if v is None and name.startswith("bwd_") and name != "bwd_sub_chunk":
+                continue
+            if not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"ScanBlockConfig.{name} must be a positive power of two, got {v!r}")
+        if not isinstance(self.chunk, int) or self.chunk < 1:
+            raise ValueError(f"ScanBlockConfig.chunk must be a positive int, got {self.chunk!r}")
+        for name in ("fwd_unroll", "bwd_sub_chunk"):
+            if self.chunk % getattr(self, name):
+                raise ValueError(f"ScanBlockConfig.chunk ({self.chunk}) must be a multiple of {name} "
+                                 f"({getattr(self, name)})")
+        for name in ("prefetch_bc", "hide_channel_alignment"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ScanBlockConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"ScanBlockConfig.num_stages must be a positive int, got {self.num_stages!r}")
+        return self
+
+    def fitted(self, seqlen: int, d: int, group_size: int) -> "ScanBlockConfig":
+        """This config shrunk to a call: no chunk longer than the (padded) sequence, and channel blocks
+        that never straddle two groups of B/C (block_d must divide d / groups)."""
+        def fit(block_d):
+            return min(block_d, largest_power_of_2_dividing(group_size), next_power_of_2(d))
+
+        step = max(self.fwd_unroll, self.bwd_sub_chunk)
+        chunk = self.chunk
+        if seqlen < chunk:  # one chunk covers the sequence: round it up to whole unrolled steps
+            chunk = -(-seqlen // step) * step
+        return dataclasses.replace(
+            self, block_d=fit(self.block_d), chunk=chunk, bwd_block_d=fit(self.bwd_block_d or self.block_d),
+            bwd_num_warps=self.bwd_num_warps or self.num_warps).validate()
+
+    def for_backward(self) -> "ScanBlockConfig":
+        """The config the backward kernels run with (their channel block and warps)."""
+        return dataclasses.replace(self, block_d=self.bwd_block_d or self.block_d,
+                                   num_warps=self.bwd_num_warps or self.num_warps)
+
+
+DEFAULT_CONFIG = ScanBlockConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanProblem:
+    """Static description of one (padded) call, shared by the kernels of its forward and backward.
+
+    Attributes:
+      seqlen: the true T; steps at or past it are padding (δ forced to 0, so they are the identity).
+      padded_seqlen: T rounded up to a multiple of `config.chunk`.
+      d: channels; n: d_state padded to a power of two; group_size: d / groups.
+      has_z, has_D, has_bias, has_reset: which optional inputs are present.
+      softplus: apply the thresholded softplus to delta + delta_bias.
+      config: the (fitted) block configuration.
+      interpret: run the kernels with the Pallas interpreter (CPU tests).
+    """
+
+    seqlen: int
+    padded_seqlen: int
+    d: int
+    n: int
+    group_size: int
+    has_z: bool
+    has_D: bool
+    has_bias: bool
+    has_reset: bool
+    softplus: bool
+    config: ScanBlockConfig
+    interpret: bool = False
+
+    @property
+    def n_chunks(self) -> int:
+        return self.padded_seqlen // self.config.chunk
+
+    @property
+    def n_channel_blocks(self) -> int:
+        return self.d // self.config.block_d
+
+    @property
+    def n_sub_chunks(self) -> int:
+        return self.config.chunk // self.config.bwd_sub_chunk
+
+    @property
+    def has_time_padding(self) -> bool:
+        return self.padded_seqlen != self.seqlen
+
+    def for_backward(self) -> "ScanProblem":
+        return dataclasses.replace(self, config=self.config.for_backward())
+
+    def grid(self, batch: int, per_chunk: bool = True):
+        """The flattened program grid: (batch, channel block, chunk), or (batch, channel block)."""
+        from pallas_kernels.selective_scan.layout import ProgramGrid
+        return ProgramGrid(batch, self.n_channel_blocks, self.n_chunks if per_chunk else 1)

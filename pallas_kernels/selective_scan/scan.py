@@ -1,0 +1,162 @@
+"""The Pallas selective scan: padding, the `custom_vjp` that strings the kernels together, reductions.
+
+Contract (the jmamba op's implementation signature, see jmamba/ops/selective_scan/reference.py):
+`selective_scan_pallas(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, *, delta_softplus)`
+-> (out [Bt, T, d] in u.dtype, final_state [Bt, d, n] float32), differentiable w.r.t. every array.
+
+Forward  (3 launches): chunk summaries -> chunk combine -> chunk outputs        (forward.py, combine.py)
+Backward (3 launches): adjoint summaries -> adjoint combine -> chunk gradients (backward.py, combine.py)
+then XLA sums the per-program partials of dA, dD, d delta_bias over (batch, chunk) and of dB, dC over
+the channel blocks of a group, in a fixed order (deterministic; no atomics anywhere).
+
+Residuals kept from the forward: the inputs and the chunk-start states H [Bt, T/chunk, n, d] float32
+plus δ sums [Bt, T/chunk, d]; the [Bt, T, d, n] expansion is never stored (the backward recomputes
+states one sub-chunk at a time in registers).
+
+Padding (done here, outside the kernels, only when needed): T up to a multiple of `chunk` (padding
+steps are made the identity inside the kernels), d_state up to a power of two (A = 0, B = C = 0 and
+h_{-1} = 0 there, so padded states stay 0 and contribute nothing). Channel blocks always divide
+d / groups (`ScanBlockConfig.fitted`), so d is never padded.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.selective_scan import backward, combine, forward
+from pallas_kernels.selective_scan.config import DEFAULT_CONFIG, ScanBlockConfig, ScanProblem, next_power_of_2
+from pallas_kernels.selective_scan.kernel_math import LOG2_E
+
+F32 = jnp.float32
+
+
+def selective_scan_pallas(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, *, delta_softplus,
+                          config: ScanBlockConfig | None = None, interpret: bool = False):
+    """Chunked Pallas selective scan.
+
+    Args:
+      u, delta: [Bt, T, d] (f32 / bf16 / f16). A: [d, n]. B, C: [Bt, T, g, n] (g divides d).
+      D, delta_bias: [d] or None. z: [Bt, T, d] or None. initial_state: [Bt, d, n] or None.
+      reset: [Bt, T] bool or None (True zeroes the state entering position t).
+      delta_softplus: apply the thresholded softplus to delta + delta_bias.
+      config: block sizes (None: DEFAULT_CONFIG), shrunk to the call by `ScanBlockConfig.fitted`.
+      interpret: run the kernels in the Pallas interpreter (CPU).
+
+    Returns:
+      (out [Bt, T, d] in u.dtype, final_state [Bt, d, n] float32).
+    """
+    problem = make_problem(u, A, B, D, z, delta_bias, reset, delta_softplus=delta_softplus, config=config,
+                           interpret=interpret)
+    bsz, seqlen, d = u.shape
+    n = A.shape[1]
+    n_pad, padded_seqlen = problem.n, problem.padded_seqlen
+
+    def pad_time(x):
+        return x if x is None or padded_seqlen == seqlen else jnp.pad(
+            x, [(0, 0), (0, padded_seqlen - seqlen)] + [(0, 0)] * (x.ndim - 2))
+
+    def pad_state(x, axis):
+        return x if n_pad == n else jnp.pad(x, [(0, n_pad - n) if a == axis else (0, 0) for a in range(x.ndim)])
+
+    A_t = pad_state(A.astype(F32), 1).T                                     # [n, d]
+    h0 = (jnp.zeros((bsz, n_pad, d), F32) if initial_state is None
+          else jnp.swapaxes(pad_state(initial_state.astype(F32), 2), 1, 2))  # [Bt, n, d]
+    keep = None
+    if reset is not None:  # 1.0 keeps the incoming state; padding steps are no resets
+        keep = jnp.pad(jnp.logical_not(reset).astype(F32), [(0, 0), (0, padded_seqlen - seqlen)],
+                       constant_values=1.0)
+    out, last = _scan(problem, pad_time(u), pad_time(delta), A_t, pad_time(pad_state(B, 3)),
+                      pad_time(pad_state(C, 3)), None if D is None else D.astype(F32), pad_time(z),
+                      None if delta_bias is None else delta_bias.astype(F32), h0, keep)
+    final_state = jnp.swapaxes(last, 1, 2)[:, :, :n]
+    return out[:, :seqlen], final_state
+
+
+def make_problem(u, A, B, D, z, delta_bias, reset, *, delta_softplus, config=None, interpret=False) -> ScanProblem:
+    """The static plan of a call: the config fitted to its shape, padded sizes, optional inputs."""
+    if config is not None and not isinstance(config, ScanBlockConfig):
+        raise TypeError(f"config must be a ScanBlockConfig or None, got {type(config).__name__}")
+    _, seqlen, d = u.shape
+    n = A.shape[1]
+    groups = B.shape[2]
+    cfg = (config or DEFAULT_CONFIG).validate().fitted(seqlen, d, d // groups)
+    return ScanProblem(
+        seqlen=seqlen, padded_seqlen=-(-seqlen // cfg.chunk) * cfg.chunk, d=d, n=next_power_of_2(n),
+        group_size=d // groups, has_z=z is not None, has_D=D is not None, has_bias=delta_bias is not None,
+        has_reset=reset is not None, softplus=bool(delta_softplus), config=cfg, interpret=interpret)
+
+
+def _keep_per_chunk(problem: ScanProblem, keep):
+    """[Bt, Tp] -> [Bt, nc]: 0.0 where the chunk holds a reset (its decay product P_j is 0)."""
+    if keep is None:
+        return None
+    return jnp.min(keep.reshape(keep.shape[0], problem.n_chunks, problem.config.chunk), axis=-1)
+
+
+def _keep_right_of_sub_chunks(problem: ScanProblem, keep):
+    """[Bt, Tp] -> [Bt, nc, nk]: 0.0 where a reset lies right of sub-chunk k inside chunk j."""
+    if keep is None:
+        return None
+    nk, sub = problem.n_sub_chunks, problem.config.bwd_sub_chunk
+    has_reset = 1.0 - jnp.min(keep.reshape(keep.shape[0], problem.n_chunks, nk, sub), axis=-1)
+    suffix = jnp.flip(jnp.cumsum(jnp.flip(has_reset, -1), -1), -1) - has_reset   # resets strictly right
+    return jnp.where(suffix > 0, 0.0, 1.0).astype(F32)
+
+
+def kernel_operands(u, delta, A_t, B, C, D, z, bias, keep, d_out=None):
+    """The kernels' operands; they get A·log2(e) (see kernel_math.decay), gradients are w.r.t. A."""
+    return dict(u=u, delta=delta, A_t=A_t * LOG2_E, B=B, C=C, D=D, z=z, bias=bias, keep=keep, d_out=d_out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scan(problem, u, delta, A_t, B, C, D, z, bias, h0, keep):
+    out, last, _ = _scan_forward(problem, u, delta, A_t, B, C, D, z, bias, h0, keep)
+    return out, last
+
+
+def _scan_forward(problem, u, delta, A_t, B, C, D, z, bias, h0, keep):
+    ops = kernel_operands(u, delta, A_t, B, C, D, z, bias, keep)
+    local_end, delta_sums = forward.chunk_summaries(problem, ops)
+    starts, last = combine.chunk_states(problem, ops["A_t"], local_end, delta_sums, _keep_per_chunk(problem, keep), h0,
+                                        reverse=False)
+    out = forward.chunk_outputs(problem, ops, starts)
+    return out, last, (starts, delta_sums)
+
+
+def _scan_fwd(problem, u, delta, A_t, B, C, D, z, bias, h0, keep):
+    out, last, (starts, delta_sums) = _scan_forward(problem, u, delta, A_t, B, C, D, z, bias, h0, keep)
+    return (out, last), (u, delta, A_t, B, C, D, z, bias, keep, starts, delta_sums)
+
+
+def _scan_bwd(problem, residuals, cotangents):
+    problem = problem.for_backward()
+    u, delta, A_t, B, C, D, z, bias, keep, starts, delta_sums = residuals
+    d_out, d_last = cotangents
+    ops = kernel_operands(u, delta, A_t, B, C, D, z, bias, keep, d_out=d_out.astype(u.dtype))
+    local_adjoint, sub_adjoint, sub_right_delta = backward.adjoint_summaries(problem, ops)
+    right_adjoints, d_h0 = combine.chunk_states(problem, ops["A_t"], local_adjoint, delta_sums,
+                                                _keep_per_chunk(problem, keep), d_last.astype(F32), reverse=True)
+    g = backward.chunk_gradients(problem, ops, starts, right_adjoints, sub_adjoint, sub_right_delta,
+                                 _keep_right_of_sub_chunks(problem, keep))
+    dA_t, dB, dC, dD, d_bias = reduce_partials(g, B, C)
+    d_keep = None if keep is None else jnp.zeros_like(keep)
+    return (g["du"], g["d_delta"], dA_t, dB, dC, dD, g.get("dz"), d_bias, d_h0, d_keep)
+
+
+def reduce_partials(g, B, C):
+    """Sums the per-program partial gradients in XLA (fixed order): (dA_t, dB, dC, dD, d_bias)."""
+    def per_group(partial, like):  # [Bt, Tp, d/bd, n] -> [Bt, Tp, g, n]: sum the blocks of each group
+        bsz, tp, n_blocks, n = partial.shape
+        groups = like.shape[2]
+        return partial.reshape(bsz, tp, groups, n_blocks // groups, n).sum(axis=3).astype(like.dtype)
+
+    dD = g["dD_partial"].sum(axis=(0, 1)) if "dD_partial" in g else None
+    d_bias = g["d_bias_partial"].sum(axis=(0, 1)) if "d_bias_partial" in g else None
+    return (g["dA_partial"].sum(axis=(0, 1)), per_group(g["dB_partial"], B), per_group(g["dC_partial"], C),
+            dD, d_bias)
+
+
+_scan.defvjp(_scan_fwd, _scan_bwd)
