@@ -11,7 +11,7 @@ train: setup
 	$(PY) -m jmamba.train_char_lm $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n auto --dist loadfile $(ARGS)
 
 clean:
 	rm -rf .venv .pytest_cache runs

@@ -251,13 +251,13 @@ def correctness(params, label, kernel_config):
 
 
 # ---------------------------------------------------------------------------------------- main
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="small shapes for a CPU smoke run")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per variant (>= 10)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-sweep", action="store_true", help="skip the kernel launch-shape sweep")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.iters < 10:
         ap.error("--iters must be >= 10 (median of at least 10)")
 
@@ -265,7 +265,7 @@ def main():
     on_gpu = dev.platform == "gpu"
     print(f"# fused AdamW benchmark — {datetime.date.today()}, {dev.device_kind} ({dev.platform}), "
           f"jax {jax.__version__}, optax {optax.__version__}")
-    print(f"command: python benchmarks/bench_fused_adamw.py {' '.join(sys.argv[1:])}")
+    print(f"command: python benchmarks/bench_fused_adamw.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     if args.tiny:
         arena_n, cfg, vocab = 4096 + 37, Mamba1Config(d_model=16, n_layers=1, d_state=4), 64
         check_cfg = KernelConfig(block_size=256)

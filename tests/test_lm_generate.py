@@ -47,10 +47,16 @@ def test_lm_step_matches_call(cfg):
 
 
 def manual_greedy(lm, prompt, n):
-    ids = prompt
-    for _ in range(n):
-        logits, _ = lm(ids)
-        ids = jnp.concatenate([ids, jnp.argmax(logits[:, -1], -1)[:, None].astype(ids.dtype)], 1)
+    """Greedy by full recomputation: the whole (zero-padded) sequence is re-run for every token.
+
+    Causality makes the padding after position t irrelevant to the logits at t, so one compiled
+    forward of fixed length serves every step."""
+    bsz, p = prompt.shape
+    ids = jnp.zeros((bsz, p + n), jnp.int32).at[:, :p].set(prompt)
+    fwd = nnx.jit(lambda m, x: m(x)[0])
+    for t in range(p, p + n):
+        logits = fwd(lm, ids)
+        ids = ids.at[:, t].set(jnp.argmax(logits[:, t - 1], -1).astype(jnp.int32))
     return ids
 
 
@@ -128,18 +134,18 @@ def test_main_job_trains_checkpoints_and_resumes(tmp_path, capsys):
     from jmamba.train_char_lm import main
     out = os.path.join(tmp_path, "run")
     common = ["--d-model", "32", "--seq-len", "32", "--batch-size", "8", "--sample-tokens", "20", "--out", out]
-    assert main(["--steps", "60", "--ckpt-every", "25", *common]) == 0
+    assert main(["--steps", "40", "--ckpt-every", "15", *common]) == 0
     text = capsys.readouterr().out
     for name in ("model.safetensors", "loss.png"):
         assert os.path.isfile(os.path.join(out, name)), name
-    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["25", "50", "60"]
+    assert sorted(os.listdir(os.path.join(out, "checkpoints")), key=int) == ["15", "30", "40"]
     first, last = [float(v) for v in text.split("loss: first step ")[1].split(" nats")[0].split(" -> last ")]
-    assert last < first - 1.0, text
+    assert last < first - 0.8, text
     assert "---- sample ----" in text
-    assert main(["--steps", "70", *common]) == 0
+    assert main(["--steps", "45", *common]) == 0
     text = capsys.readouterr().out
-    assert "resumed from" in text and "at step 60" in text
-    assert "70" in os.listdir(os.path.join(out, "checkpoints"))
+    assert "resumed from" in text and "at step 40" in text
+    assert "45" in os.listdir(os.path.join(out, "checkpoints"))
     with pytest.raises(ValueError, match="d_model"):
         main(["--steps", "80", *[c if c != "32" else "48" for c in common[:2]], *common[2:]])
 

@@ -41,4 +41,8 @@ def call_batch_sharded(fn, args, batched, **static):
     if bsz % n:
         raise ValueError(f"the batch ({bsz}) must be divisible by the mesh's '{DATA_AXIS}' axis ({n})")
     specs = tuple(P(DATA_AXIS) if b else P() for b in batched)
-    return jax.shard_map(functools.partial(fn, **static), in_specs=specs, out_specs=P(DATA_AXIS))(*args)
+    # check_vma=False: Pallas kernels build their outputs from ShapeDtypeStructs without varying-axis
+    # types. The transpose still sums replicated arguments' cotangents over `data` (tested against the
+    # single-device gradients in tests/test_data_parallel.py, Pallas kernel included).
+    return jax.shard_map(functools.partial(fn, **static), in_specs=specs, out_specs=P(DATA_AXIS),
+                         check_vma=False)(*args)

@@ -16,6 +16,7 @@ together with `accumulate_only`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from typing import Optional
@@ -24,13 +25,21 @@ import jax
 import optax
 from flax import nnx
 
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jmamba.ops.batch_sharding import DATA_AXIS
 from jmamba.ops.validation import shape_of
+from jmamba.parallel.mesh import shard_batch, shard_state
 from jmamba.training.clipping import check_max_norm
 from jmamba.training.step_core import apply_gradients, forward_with_vjp
 from jmamba.training.train_state import TrainState, check_precision
 from jmamba.training.train_step import check_batch, check_d_out, check_state_for_step
 
 _TOKENS = itertools.count(1)
+
+
+def _on_mesh(mesh):
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 class ForwardContext:
@@ -41,14 +50,16 @@ class ForwardContext:
       outputs_shape: shape of the outputs (d_out must match).
       precision: compute precision the forward ran with.
       token: identifies the forward; the TrainState it returned carries the same token.
+      mesh: the device mesh the forward ran on (None: one device).
       consumed: True once a backward_step used it.
     """
 
-    def __init__(self, vjp_fn, outputs_shape, precision, token):
+    def __init__(self, vjp_fn, outputs_shape, precision, token, mesh=None):
         self.vjp_fn = vjp_fn
         self.outputs_shape = outputs_shape
         self.precision = precision
         self.token = token
+        self.mesh = mesh
         self.consumed = False
 
 
@@ -66,7 +77,7 @@ def _backward_jit(state, vjp_fn, d_out, *, optimizer, clip_max_norm, accumulate_
 
 
 def forward(model: nnx.Module, state: TrainState, batch: dict, *, precision: str = "f32",
-            truncate_bptt: bool = True):
+            truncate_bptt: bool = True, mesh=None, fsdp: bool = False):
     """Training forward from the carried state.
 
     Args:
@@ -75,6 +86,8 @@ def forward(model: nnx.Module, state: TrainState, batch: dict, *, precision: str
       batch: {"inputs": ..., optional "reset": ...}.
       precision: "f32", "bf16" or "f16".
       truncate_bptt: see `make_train_step`.
+      mesh, fsdp: run data-parallel on this mesh (see `make_train_step`); the state and batch are
+        placed on it (a no-op when `jmamba.parallel.shard_state`/`shard_batch` already did).
 
     Returns:
       (outputs float32 [B, T, ...], ctx: ForwardContext, new_state with the advanced recurrent state).
@@ -84,11 +97,14 @@ def forward(model: nnx.Module, state: TrainState, batch: dict, *, precision: str
     if state.pending_forward is not None:
         raise RuntimeError("another forward is pending: run its backward_step first")
     check_batch(batch, need_d_out=False)
-    outputs, vjp_fn, new_rec = _forward_jit(state.params, state.recurrent_state, batch,
-                                            graphdef=nnx.graphdef(model), precision=precision,
-                                            truncate_bptt=truncate_bptt)
+    with _on_mesh(mesh):
+        if mesh is not None:
+            state, batch = shard_state(state, mesh, fsdp=fsdp), shard_batch(batch, mesh)
+        outputs, vjp_fn, new_rec = _forward_jit(state.params, state.recurrent_state, batch,
+                                                graphdef=nnx.graphdef(model), precision=precision,
+                                                truncate_bptt=truncate_bptt)
     token = next(_TOKENS)
-    ctx = ForwardContext(vjp_fn, shape_of(outputs), precision, token)
+    ctx = ForwardContext(vjp_fn, shape_of(outputs), precision, token, mesh)
     return outputs, ctx, state.replace(recurrent_state=new_rec, pending_forward=token)
 
 
@@ -129,9 +145,12 @@ def backward_step(optimizer: optax.GradientTransformation, state: TrainState, ct
         if state.grad_accum is None:
             raise ValueError("accumulate_only=True needs a gradient accumulator: "
                              "TrainState.create(..., accumulate=True)")
-    new_state, metrics = _backward_jit(state.replace(pending_forward=None), ctx.vjp_fn, d_out,
-                                       optimizer=optimizer, clip_max_norm=clip_max_norm,
-                                       accumulate_only=accumulate_only)
+    with _on_mesh(ctx.mesh):
+        if ctx.mesh is not None:
+            d_out = jax.device_put(d_out, NamedSharding(ctx.mesh, PartitionSpec(DATA_AXIS)))
+        new_state, metrics = _backward_jit(state.replace(pending_forward=None), ctx.vjp_fn, d_out,
+                                           optimizer=optimizer, clip_max_norm=clip_max_norm,
+                                           accumulate_only=accumulate_only)
     ctx.consumed = True
     ctx.vjp_fn = None   # release the residuals
     return new_state, metrics

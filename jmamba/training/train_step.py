@@ -38,7 +38,7 @@ f32 = jnp.float32
 def make_train_step(model: nnx.Module, optimizer: optax.GradientTransformation, *,
                     loss_fn: Optional[Callable] = None, precision: str = "f32",
                     clip_max_norm: Optional[float] = None, truncate_bptt: bool = True,
-                    donate: bool = True, jit: bool = True):
+                    donate: bool = True, jit: bool = True, mesh=None, fsdp: bool = False):
     """Builds the training step for `model` (its structure; parameters come from the TrainState).
 
     Args:
@@ -53,6 +53,11 @@ def make_train_step(model: nnx.Module, optimizer: optax.GradientTransformation, 
         differentiable w.r.t. the incoming state (only matters when windows are chained in one program).
       donate: donate the incoming TrainState's buffers (updates happen in place).
       jit: return the jitted function (False: the plain Python function, for composing in a larger jit).
+      mesh: a device mesh with a `data` axis (`jmamba.parallel.make_data_mesh()`): the step runs SPMD,
+        batch and recurrent state split over `data`, parameters and optimizer state replicated (or
+        split, `fsdp=True`); XLA all-reduces the gradients. Input arrays should be uncommitted or
+        placed with `jmamba.parallel.shard_state` / `shard_batch`.
+      fsdp: with `mesh`, shard parameters and optimizer state over `data` as well.
 
     Returns:
       step(state, batch) -> (new_state, metrics).
@@ -88,7 +93,13 @@ def make_train_step(model: nnx.Module, optimizer: optax.GradientTransformation, 
         metrics.update(m)
         return new_state, metrics
 
-    compiled = jax.jit(core, donate_argnums=(0,) if donate else ()) if jit else core
+    donate_argnums = (0,) if donate else ()
+    if mesh is None:
+        compiled = jax.jit(core, donate_argnums=donate_argnums) if jit else core
+    else:
+        if not jit:
+            raise ValueError("mesh= needs jit=True (the shardings are given to jax.jit)")
+        compiled = _sharded_jit(core, mesh, fsdp, donate_argnums)
 
     def step(state: TrainState, batch):
         check_state_for_step(state, precision)
@@ -102,6 +113,28 @@ def make_train_step(model: nnx.Module, optimizer: optax.GradientTransformation, 
 
     step.compiled = compiled   # the jitted core (e.g. for `_cache_size()` or lowering)
     return step
+
+
+def _sharded_jit(core, mesh, fsdp, donate_argnums):
+    """jax.jit(core) with explicit state/batch shardings (built from the first state's structure),
+    traced and run under `jax.set_mesh(mesh)` so the ops shard their kernels over the batch."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jmamba.parallel.mesh import batch_shardings, state_shardings
+    cache = {}
+
+    def call(state, batch):
+        key = (jax.tree.structure(state), jax.tree.structure(batch))
+        if key not in cache:
+            st_sh = state_shardings(state, mesh, fsdp=fsdp)
+            cache[key] = jax.jit(core, in_shardings=(st_sh, batch_shardings(batch, mesh)),
+                                 out_shardings=(st_sh, NamedSharding(mesh, PartitionSpec())),
+                                 donate_argnums=donate_argnums)
+        with jax.set_mesh(mesh):
+            return cache[key](state, batch)
+
+    call._cache_size = lambda: sum(f._cache_size() for f in cache.values())
+    return call
 
 
 def check_state_for_step(state, precision):

@@ -1,0 +1,154 @@
+"""Subprocess worker for tests/test_data_parallel.py: runs with 4 simulated CPU devices.
+
+    python data_parallel_worker.py OUT_JSON [CASE ...]
+
+Each case compares a data-parallel run on a 4-device mesh with the single-device run on the same
+global batch and writes the largest relative differences (and any exact-equality facts) to OUT_JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 4)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jmamba  # noqa: E402
+from jmamba.io.checkpoint import restore_checkpoint, save_checkpoint  # noqa: E402
+from jmamba.ops import dispatch  # noqa: E402
+from jmamba.parallel import make_data_mesh, shard_state  # noqa: E402
+
+
+def model_for(arch):
+    if arch == "mamba1":
+        cfg = jmamba.Mamba1Config(d_model=16, n_layers=2, d_state=4, input_dim=3)
+        return jmamba.Mamba1Backbone(cfg, rngs=nnx.Rngs(0))
+    cfg = jmamba.Mamba3Config(d_model=16, n_layers=2, d_state=8, headdim=8, input_dim=3, chunk_size=4)
+    return jmamba.Mamba3Backbone(cfg, rngs=nnx.Rngs(0))
+
+
+def batch(i, bsz=8, T=6):
+    r = np.random.default_rng(100 + i)
+    return {"inputs": jnp.asarray(r.normal(size=(bsz, T, 3)), jnp.float32),
+            "d_out": jnp.asarray(r.normal(size=(bsz, T, 16)), jnp.float32)}
+
+
+def max_rel(a_tree, b_tree):
+    worst = 0.0
+    for a, b in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        worst = max(worst, float(np.max(np.abs(a - b), initial=0) / max(np.max(np.abs(b), initial=0), 1e-30)))
+    return worst
+
+
+# An "optimizer" whose state is the (clipped) gradient it received: compares gradients exactly.
+CAPTURE = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p),
+                                       lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), g))
+
+
+def run_fused(arch, mesh, fsdp, precision="f32", steps=3, poison=(), opt=None):
+    model = model_for(arch)
+    opt = opt or optax.adamw(1e-2)
+    state = jmamba.TrainState.create(model, opt, 8, precision=precision)
+    if precision == "f16":   # a scale at which clean steps are finite, so the decisions vary
+        state = state.replace(loss_scale=jmamba.DynamicLossScale(jnp.asarray(8.0), jnp.asarray(0, jnp.int32)))
+    if mesh is not None:
+        state = shard_state(state, mesh, fsdp=fsdp)
+    step = jmamba.make_train_step(model, opt, precision=precision, clip_max_norm=1.0, mesh=mesh, fsdp=fsdp)
+    decisions = []
+    for i in range(steps):
+        b = batch(i)
+        if precision == "f16":
+            b["d_out"] = b["d_out"] * 1e-3
+        if i in poison:
+            b["d_out"] = b["d_out"].at[5, 2, 1].set(jnp.inf)
+        state, m = step(state, b)
+        decisions.append([bool(m.get("overflow_skipped", False)), float(m.get("loss_scale", 0.0))])
+    return state, decisions
+
+
+def case_fused(arch, fsdp):
+    mesh = make_data_mesh()
+    g_single, _ = run_fused(arch, None, False, steps=1, opt=CAPTURE)
+    g_multi, _ = run_fused(arch, mesh, fsdp, steps=1, opt=CAPTURE)
+    single, _ = run_fused(arch, None, False)
+    multi, _ = run_fused(arch, mesh, fsdp)
+    sharded = {jax.tree_util.keystr(p): str(x.sharding.spec) for p, x in jax.tree_util.tree_leaves_with_path(multi)
+               if hasattr(x, "sharding") and hasattr(x.sharding, "spec")}
+    return {"grads": max_rel(g_multi.opt_state, g_single.opt_state),
+            "params": max_rel(multi.params, single.params), "opt_state": max_rel(multi.opt_state, single.opt_state),
+            "recurrent": max_rel(multi.recurrent_state, single.recurrent_state),
+            "step_equal": int(multi.step) == int(single.step),
+            "recurrent_spec": sharded[".recurrent_state[0].ssm"],
+            "param_spec": sharded[".params['layers'][0]['mixer']['out_proj']['kernel'].value"]}
+
+
+def case_f16_scaler():
+    mesh = make_data_mesh()
+    _, d1 = run_fused("mamba1", None, False, precision="f16", steps=5, poison=(1, 3))
+    _, d4 = run_fused("mamba1", mesh, False, precision="f16", steps=5, poison=(1, 3))
+    return {"single": d1, "multi": d4}
+
+
+def case_split():
+    mesh = make_data_mesh()
+    model = model_for("mamba1")
+    opt = optax.adamw(1e-2)
+    out = {}
+    for name, m in (("single", None), ("multi", mesh)):
+        state = jmamba.TrainState.create(model, opt, 8)
+        for i in range(2):
+            b = batch(i)
+            y, ctx, state = jmamba.forward(model, state, {"inputs": b["inputs"]}, mesh=m)
+            state, _ = jmamba.backward_step(opt, state, ctx, b["d_out"], clip_max_norm=1.0)
+        out[name] = state
+    return {"params": max_rel(out["multi"].params, out["single"].params)}
+
+
+def case_checkpoint():
+    mesh = make_data_mesh()
+    state, _ = run_fused("mamba1", mesh, True)
+    d = tempfile.mkdtemp()
+    save_checkpoint(d, state)
+    like = shard_state(jmamba.TrainState.create(model_for("mamba1"), optax.adamw(1e-2), 8), mesh, fsdp=True)
+    restored = restore_checkpoint(d, like)
+    same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)))
+    same_sharding = all(a.sharding == b.sharding for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(like)))
+    return {"equal": same, "same_sharding": same_sharding}
+
+
+def case_pallas():
+    if "pallas" not in dispatch._REGISTRY.get("selective_scan", {}):
+        return {"skipped": "no pallas selective_scan registered"}
+    with dispatch.prefer("selective_scan", "pallas"):
+        mesh = make_data_mesh()
+        single, _ = run_fused("mamba1", None, False, steps=1, opt=CAPTURE)
+        multi, _ = run_fused("mamba1", mesh, False, steps=1, opt=CAPTURE)
+    return {"grads": max_rel(multi.opt_state, single.opt_state)}
+
+
+CASES = {
+    "mamba1": lambda: case_fused("mamba1", False),
+    "mamba1_fsdp": lambda: case_fused("mamba1", True),
+    "mamba3": lambda: case_fused("mamba3", False),
+    "f16_scaler": case_f16_scaler,
+    "split": case_split,
+    "checkpoint": case_checkpoint,
+    "pallas": case_pallas,
+}
+
+if __name__ == "__main__":
+    assert len(jax.devices()) == 4, jax.devices()
+    names = sys.argv[2:] or list(CASES)
+    results = {name: CASES[name]() for name in names}
+    with open(sys.argv[1], "w") as f:
+        json.dump(results, f, indent=1)
+    print(json.dumps(results, indent=1))
