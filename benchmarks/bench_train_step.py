@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--devices", type=int, default=1,
+                   help="data-parallel over this many devices (global batch = batch-size x devices)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes for a CPU smoke run")
     args = p.parse_args(argv)
     if args.tiny:
@@ -76,11 +78,17 @@ def loss_fn(logits, batch):
 def bench_one(args, lm, impl):
     opt = make_optimizer(args)
     rng = np.random.default_rng(0)
+    bsz = args.batch_size * args.devices
+    mesh = None
+    if args.devices > 1:
+        from jmamba.parallel import make_data_mesh
+        mesh = make_data_mesh(jax.devices()[:args.devices])
     with dispatch.prefer(OP[args.arch], impl):
-        state = jmamba.TrainState.create(lm, opt, args.batch_size, precision=args.precision)
-        step = jmamba.make_train_step(lm, opt, loss_fn=loss_fn, precision=args.precision, clip_max_norm=1.0)
-        batches = [{"inputs": jnp.asarray(rng.integers(0, args.vocab, (args.batch_size, args.seq_len)), jnp.int32),
-                    "targets": jnp.asarray(rng.integers(0, args.vocab, (args.batch_size, args.seq_len)), jnp.int32)}
+        state = jmamba.TrainState.create(lm, opt, bsz, precision=args.precision)
+        step = jmamba.make_train_step(lm, opt, loss_fn=loss_fn, precision=args.precision, clip_max_norm=1.0,
+                                      mesh=mesh)
+        batches = [{"inputs": jnp.asarray(rng.integers(0, args.vocab, (bsz, args.seq_len)), jnp.int32),
+                    "targets": jnp.asarray(rng.integers(0, args.vocab, (bsz, args.seq_len)), jnp.int32)}
                    for _ in range(2)]
         t0 = time.perf_counter()
         for i in range(args.warmup):
@@ -93,7 +101,7 @@ def bench_one(args, lm, impl):
             state, m = step(state, batches[i % 2])
             jax.block_until_ready((state, m))
             times.append(time.perf_counter() - t)
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.devices()[0].memory_stats() or {}   # device 0 (each device holds the same share)
     return {"impl": impl, "ms": 1e3 * statistics.median(times), "min": 1e3 * min(times), "max": 1e3 * max(times),
             "compile_s": compile_s, "loss": float(m["loss"]), "peak_gib": stats.get("peak_bytes_in_use", 0) / 2 ** 30}
 
@@ -102,9 +110,9 @@ def main(argv=None):
     args = parse_args(argv)
     lm = build(args)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(lm, nnx.Param)))
-    tokens = args.batch_size * args.seq_len
+    tokens = args.batch_size * args.devices * args.seq_len
     print(f"# train step: {args.arch} d_model={args.d_model} layers={args.n_layers} vocab={args.vocab} "
-          f"params={n_params / 1e6:.1f}M B={args.batch_size} T={args.seq_len} {args.precision} "
+          f"params={n_params / 1e6:.1f}M B={args.batch_size}x{args.devices} devices T={args.seq_len} {args.precision} "
           f"optimizer={args.optimizer} | jax {jax.__version__} on {jax.devices()[0].device_kind}")
     rows = []
     for impl in args.impl.split(","):

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device-machine call that runs every GPU check and benchmark of the repo, stage by stage, each
+# under its own time limit, logs in $OUT (set by the device tool; defaults to ./gpu_logs).
+#   bash benchmarks/gpu_session.sh [stage ...]     stages: tests adamw e2e1 e2e3 dp2 (default: all)
+set -u
+OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD PYTHONWARNINGS=ignore::DeprecationWarning
+export JAX_COMPILATION_CACHE_DIR=/tmp/jcc JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+stages=${*:-tests adamw e2e1 e2e3 dp2}
+run() {  # name, seconds, command...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name (limit ${secs}s) ==="
+  local t0=$(date +%s)
+  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "--- $name rc=$rc in $(( $(date +%s) - t0 ))s"; tail -n 25 "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1; cat "$OUT/gpu.txt"
+for s in $stages; do case $s in
+  tests) run tests 150 python3 -m pytest -q -p no:cacheprovider -x -m "gpu" tests/ ;
+         run adamw_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_fused_adamw.py tests/test_no_decay_mask.py ;;
+  adamw) run adamw 120 python3 benchmarks/bench_fused_adamw.py --no-sweep --iters 10 ;;
+  e2e1)  run e2e_mamba1 200 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas,xla --optimizer fused --steps 5 --warmup 2 ;;
+  e2e3)  run e2e_mamba3 200 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas,xla --optimizer fused --steps 5 --warmup 2 ;;
+  dp2)   run dp_equivalence 120 python3 tests/data_parallel_worker.py "$OUT/dp2.json" mamba1 mamba1_fsdp mamba3 f16_scaler split ;
+         run dp_throughput 200 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 5 --warmup 2 --devices 2 ;;
+esac; done
+echo "=== done ==="
