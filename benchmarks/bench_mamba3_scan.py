@@ -1,0 +1,372 @@
+"""Benchmark of the Mamba-3 SISO scan: pallas vs xla vs reference, one process.
+
+    python3 benchmarks/bench_mamba3_scan.py              # the three PERF.md shapes (GPU)
+    python3 benchmarks/bench_mamba3_scan.py --sweep      # also time the SWEEP Pallas configs at b8t2048
+    python3 benchmarks/bench_mamba3_scan.py --breakdown  # also time each Pallas launch at b8t2048
+    python3 benchmarks/bench_mamba3_scan.py --tiny       # CPU smoke run at a tiny shape (interpret mode)
+
+Every shape runs the official anchor's call: bf16 Q, K, V, Z, Trap; float32 ADT, DT, biases, D;
+angles shared by the heads ([Bt, T, S], as the mixer passes them); no initial states; H=24, P=64,
+N=128, G=1, S=32, chunk 64. For each implementation: the forward, and forward+backward (a VJP with a
+random output cotangent returning every input cotangent), each the median of `--iters` runs after a
+warm-up, every run bracketed by `jax.block_until_ready`, with the min–max spread. The functions of a
+shape are compiled ahead of time, in parallel threads, before any of them is timed; rows are printed
+as soon as their shape is done (a run cut short still leaves the first shapes).
+
+Rates: FLOP/s counts the dots of the chunked algorithm (forward 2L²(N+P) + 4LNP per chunk and head,
+backward 6L²(N+P) + 10LNP more), against the 668 TFLOP/s bf16 ceiling measured on the H200; bandwidth
+is the fewest bytes the op must move (each input read once, each output written once) over the
+median time, against 3.72 TB/s (PERF.md). The official Triton kernel's times (PERF.md, fixed numbers
+measured elsewhere) are printed beside. Performance is checked here, never in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jmamba.ops import mamba3_siso_scan  # noqa: E402
+from pallas_kernels.mamba3_siso import DEFAULT_CONFIG, mamba3_siso_scan_pallas  # noqa: E402
+
+PEAK_TFLOPS = 668.0
+CEILING_TBPS = 3.72
+# PERF.md: official Triton mamba3_siso_combined on H200 (bf16, D, Z, chunk 64): (fwd, fwd+bwd) ms, best seen.
+OFFICIAL_MS = {(8, 2048): ("0.80–1.23", "2.15–3.25"), (32, 512): ("0.74–0.79", "2.03–2.42"),
+               (2, 8192): ("2.18", "4.33")}
+DIMS = dict(H=24, P=64, N=128, G=1, S=32)
+SHAPES = {"b8t2048": (8, 2048), "b32t512": (32, 512), "b2t8192": (2, 8192)}
+TINY = dict(shape=(1, 40), dims=dict(H=2, P=16, N=32, G=1, S=8), chunk=16)
+ARG_NAMES = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "Angles", "D", "Z")
+# Candidates for `--sweep` (notes_mamba3_scan.md records what a sweep found).
+SWEEP = [
+    DEFAULT_CONFIG,
+    dataclasses.replace(DEFAULT_CONFIG, stored_state_dtype="bfloat16"),
+    dataclasses.replace(DEFAULT_CONFIG, num_warps_grad=8),
+    dataclasses.replace(DEFAULT_CONFIG, max_chunk=32),
+]
+
+
+def make_args(bsz, T, dims, dtype=jnp.bfloat16, seed=0):
+    """Op arguments like a Mamba-3 layer's (the official test's generator: rms-normed Q/K, DT
+    log-uniform in [1e-3, 0.1], ADT = -U[1, 16]·DT, D = 1)."""
+    H, P, N, G, S = (dims[k] for k in ("H", "P", "N", "G", "S"))
+    r = np.random.default_rng(seed)
+
+    def rms_normed(shape):
+        x = r.normal(size=shape)
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-5)
+
+    dt = np.exp(r.uniform(np.log(1e-3), np.log(1e-1), (bsz, T, H)))
+    a = dict(Q=rms_normed((bsz, T, G, N)), K=rms_normed((bsz, T, G, N)), V=r.normal(size=(bsz, T, H, P)),
+             ADT=-r.uniform(1, 16, (bsz, T, H)) * dt, DT=dt, Trap=r.uniform(0, 1, (bsz, T, H)),
+             Q_bias=r.normal(size=(H, N)), K_bias=r.normal(size=(H, N)), Angles=r.normal(size=(bsz, T, S)),
+             D=np.ones(H), Z=r.normal(size=(bsz, T, H, P)))
+    low = ("Q", "K", "V", "Z", "Trap")
+    return {k: jnp.asarray(v, dtype if k in low else jnp.float32) for k, v in a.items()}
+
+
+def op_function(impl, chunk, config=None, interpret=False):
+    """fn(args dict) -> out [Bt, T, H, P] through the op (validation and angle broadcast included)."""
+    if impl == "pallas":
+        from jmamba.ops.mamba3_siso_scan.api import _broadcast_heads
+
+        def pallas(a):
+            H = a["V"].shape[2]
+            args = [a[k] for k in ARG_NAMES]
+            args[8] = _broadcast_heads(args[8], H)
+            return mamba3_siso_scan_pallas(*args, None, None, chunk_size=chunk, config=config,
+                                           interpret=interpret)[0]
+        return pallas
+    return lambda a: mamba3_siso_scan(**a, chunk_size=chunk, implementation=impl)
+
+
+def forward_and_backward(fn):
+    def fwd_bwd(a, d_out):
+        out, vjp = jax.vjp(fn, a)
+        return out, vjp(d_out)[0]
+    return fwd_bwd
+
+
+def timed(fn, args, iters, warmup=2):
+    """(median, min, max) seconds of `fn(*args)` and its last result."""
+    for _ in range(warmup):
+        out = jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return (statistics.median(times), min(times), max(times)), out
+
+
+def compile_all(jobs, workers):
+    """jobs: {key: (fn, args)} -> {key: compiled or the exception}. Lowering runs here, XLA compiles
+    in parallel threads (they release the GIL)."""
+    lowered = {}
+    for key, (fn, args) in jobs.items():
+        try:
+            lowered[key] = jax.jit(fn).lower(*args)
+        except Exception as e:  # report and go on
+            lowered[key] = e
+    out = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {k: pool.submit(lambda l: l.compile(), l) for k, l in lowered.items() if not isinstance(l, Exception)}
+        for k, l in lowered.items():
+            if isinstance(l, Exception):
+                out[k] = l
+        for k, f in futures.items():
+            try:
+                out[k] = f.result()
+            except Exception as e:
+                out[k] = e
+    return out
+
+
+def dot_flops(bsz, T, dims, chunk):
+    """(forward, forward+backward) FLOPs of the chunked algorithm's dots."""
+    H, P, N = dims["H"], dims["P"], dims["N"]
+    chunks = bsz * H * math.ceil(T / chunk)
+    L = chunk
+    fwd = chunks * (2 * L * L * (N + P) + 4 * L * N * P)
+    return fwd, fwd + chunks * (6 * L * L * (N + P) + 10 * L * N * P)
+
+
+def min_bytes(bsz, T, dims, itemsize=2):
+    """Fewest HBM bytes (forward, forward+backward): Q, K [Bt,T,G,N], V, Z, out [Bt,T,H,P] in bf16,
+    ADT, DT f32 and Trap bf16 [Bt,T,H], angles f32 [Bt,T,S]; the backward reads d_out too and writes
+    every input's gradient once."""
+    H, P, N, G, S = (dims[k] for k in ("H", "P", "N", "G", "S"))
+    qk = 2 * bsz * T * G * N * itemsize
+    rows = bsz * T * H * P * itemsize
+    scal = bsz * T * H * (4 + 4 + itemsize) + bsz * T * S * 4
+    fwd = qk + 3 * rows + scal
+    return fwd, fwd + rows + qk + 2 * rows + scal
+
+
+def stage_breakdown(shape, dims, chunk, config, iters, interpret, workers):
+    """Times each launch of the Pallas forward and backward on its own: [(stage, (median, min, max))].
+
+    Every stage is lowered from abstract shapes and compiled in parallel first, then run in order,
+    each feeding the next (XLA's group sums are the part of the backward outside the kernels).
+    """
+    from pallas_kernels.mamba3_siso import chunk_backward, chunk_forward, core, scan, state_passes
+
+    a = make_args(*shape, dims)
+    H = dims["H"]
+    angles = jnp.broadcast_to(a["Angles"][:, :, None], a["Angles"].shape[:2] + (H, dims["S"]))
+    inputs = [a[k] for k in ARG_NAMES[:8]] + [angles, a["D"], a["Z"]]
+
+    def prep(*x):
+        return scan.prepare(*x, None, chunk_size=chunk, config=config, interpret=interpret)[1]
+
+    geo = scan.prepare(*inputs, None, chunk_size=chunk, config=config, interpret=interpret)[0]
+    names = geo.part_names
+
+    def fwd_local(args):
+        return state_passes.chunk_contributions(geo, core._operands(geo, *args), adjoint=False)
+
+    def fwd_combine(args, local):
+        return state_passes.combine_chunks(geo, local, state_passes.chunk_decays(geo, args[6]),
+                                           dict(zip(names, args[-1])), reverse=False)[0]
+
+    def fwd_chunks(args, entering):
+        return chunk_forward.chunk_outputs(geo, core._operands(geo, *args), entering)
+
+    def bwd_local(args, d_out):
+        return state_passes.chunk_contributions(geo, core._operands(geo, *args, d_out=d_out), adjoint=True)
+
+    def bwd_combine(args, local):
+        zeros = {n: jnp.zeros_like(x) for n, x in zip(names, args[-1])}
+        return state_passes.combine_chunks(geo, local, state_passes.chunk_decays(geo, args[6]), zeros,
+                                           reverse=True)[0]
+
+    def bwd_chunks(args, d_out, entering, leaving):
+        return chunk_backward.chunk_gradients(geo, core._operands(geo, *args, d_out=d_out), entering, leaving)
+
+    def group_sums(g):
+        return [g[k].reshape(g[k].shape[:2] + (geo.groups, -1, g[k].shape[-1])).sum(3)
+                for k in g if k.startswith(("dq_", "dk_"))]
+
+    stages = [("prep (XLA, before the kernels)", prep, lambda r: inputs),
+              ("fwd 1: chunk states", fwd_local, lambda r: (r["args"],)),
+              ("fwd 2: state combine", fwd_combine, lambda r: (r["args"], r["fwd_local"])),
+              ("fwd 3: chunk outputs", fwd_chunks, lambda r: (r["args"], r["entering"])),
+              ("bwd 1: chunk adjoints", bwd_local, lambda r: (r["args"], r["d_out"])),
+              ("bwd 2: adjoint combine", bwd_combine, lambda r: (r["args"], r["bwd_local"])),
+              ("bwd 3: chunk gradients", bwd_chunks, lambda r: (r["args"], r["d_out"], r["entering"], r["leaving"])),
+              ("bwd 4: XLA group sums", group_sums, lambda r: (r["grads"],))]
+    # abstract values of every intermediate, so that all stages can be lowered before any runs
+    shapes = {"args": jax.eval_shape(prep, *inputs)}
+    shapes["d_out"] = jax.ShapeDtypeStruct(shapes["args"][4].shape, shapes["args"][4].dtype)
+    shapes["fwd_local"] = jax.eval_shape(fwd_local, shapes["args"])
+    shapes["entering"] = jax.eval_shape(fwd_combine, shapes["args"], shapes["fwd_local"])
+    shapes["bwd_local"] = jax.eval_shape(bwd_local, shapes["args"], shapes["d_out"])
+    shapes["leaving"] = jax.eval_shape(bwd_combine, shapes["args"], shapes["bwd_local"])
+    shapes["grads"] = jax.eval_shape(bwd_chunks, shapes["args"], shapes["d_out"], shapes["entering"], shapes["leaving"])
+    compiled = compile_all({name: (fn, get(shapes)) for name, fn, get in stages}, workers)
+
+    real = {"d_out": jnp.asarray(np.random.default_rng(7).normal(size=shapes["d_out"].shape), shapes["d_out"].dtype)}
+    produces = ("args", "fwd_local", "entering", None, "bwd_local", "leaving", "grads", None)   # fed to later stages
+    out = []
+    for (name, _, get), key in zip(stages, produces):
+        c = compiled[name]
+        if isinstance(c, Exception):
+            print(f"# breakdown stage {name} failed to compile: {type(c).__name__}: {str(c)[:300]}", flush=True)
+            return out
+        t, res = timed(c, get(real), iters)
+        if key is not None:
+            real[key] = res
+        out.append((name, t))
+    return out
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def fmt_time(t):
+    med, lo, hi = t
+    return f"{med * 1e3:.3f} ({lo * 1e3:.3f}–{hi * 1e3:.3f})"
+
+
+def _short(cfg):
+    return (f"chunk<={cfg.max_chunk} combine-rows{cfg.state_block_p} warps combine/local/out/grad "
+            f"{cfg.num_warps_state}/{cfg.num_warps_local}/{cfg.num_warps_chunk}/{cfg.num_warps_grad} "
+            f"stages{cfg.num_stages} states-{cfg.stored_state_dtype}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="one tiny shape, Pallas in interpret mode (CPU smoke run)")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
+    p.add_argument("--impls", default="pallas,xla,reference")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--ref-iters", type=int, default=10, help="runs of the (slow) reference")
+    p.add_argument("--sweep", action="store_true", help="after the table, time the SWEEP Pallas configs at the first shape")
+    p.add_argument("--breakdown", action="store_true", help="time each Pallas launch at the first shape")
+    p.add_argument("--workers", type=int, default=16, help="parallel compile threads")
+    p.add_argument("--json", default=None, help="write all numbers here")
+    a = p.parse_args(argv)
+
+    device = jax.devices()[0]
+    print(f"# jax {jax.__version__}, device {device.device_kind} ({jax.default_backend()})", flush=True)
+    interpret = jax.default_backend() != "gpu"
+    if a.tiny:
+        shapes, dims, chunk = {"tiny": TINY["shape"]}, TINY["dims"], TINY["chunk"]
+        iters, ref_iters = min(a.iters, 3), min(a.ref_iters, 3)
+    else:
+        shapes, dims, chunk = {k: SHAPES[k] for k in a.shapes.split(",")}, DIMS, 64
+        iters, ref_iters = a.iters, a.ref_iters
+    impls = a.impls.split(",")
+    sweep = (SWEEP[:2] if a.tiny else SWEEP) if a.sweep else []
+    first = next(iter(shapes))
+    records = []
+
+    def measure(key, impl_configs):
+        """Compiles fwd and fwd+bwd of each (impl, config) at shape `key` in parallel, then times them."""
+        bsz, T = shapes[key]
+        args = make_args(bsz, T, dims)
+        d_out = jnp.asarray(np.random.default_rng(7).normal(size=args["V"].shape), jnp.bfloat16)
+        jobs = {}
+        for impl, cfg in impl_configs:
+            fn = op_function(impl, chunk, cfg, interpret)
+            jobs[(impl, cfg, "fwd")] = (fn, (args,))
+            jobs[(impl, cfg, "fwd+bwd")] = (forward_and_backward(fn), (args, d_out))
+        t0 = time.perf_counter()
+        compiled = compile_all(jobs, a.workers)
+        print(f"# {key}: compiled {len(jobs)} functions in {time.perf_counter() - t0:.1f} s", flush=True)
+        results = {}
+        for (impl, cfg, kind), c in compiled.items():
+            label = f"{key} {impl} {kind}" + (f" {_short(cfg)}" if cfg else "")
+            if isinstance(c, Exception):
+                print(f"# {label}: failed to compile: {type(c).__name__}: {str(c)[:600]}", flush=True)
+                continue
+            try:
+                t, res = timed(c, (args,) if kind == "fwd" else (args, d_out),
+                               ref_iters if impl == "reference" else iters)
+            except Exception as e:
+                print(f"# {label}: failed to run: {type(e).__name__}: {str(e)[:600]}", flush=True)
+                continue
+            results[(impl, cfg, kind)] = (t, res)
+        return results
+
+    print(f"\n## Mamba-3 SISO scan, bf16 inputs, f32 state, H={dims['H']} P={dims['P']} N={dims['N']} G={dims['G']} "
+          f"S={dims['S']} chunk {chunk} (median of {iters}, reference {ref_iters}; min–max); pallas config: "
+          f"{_short(DEFAULT_CONFIG)}\n")
+    print("| shape | impl | fwd ms | fwd TFLOP/s · TB/s (% of 668 · 3.72) | fwd+bwd ms | fwd+bwd TFLOP/s · TB/s | "
+          "× pallas (fwd / fwd+bwd) | official Triton fwd / fwd+bwd ms | rel err vs reference (out, dV, dQ, dADT) |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    for key, (bsz, T) in shapes.items():
+        results = measure(key, [(impl, DEFAULT_CONFIG if impl == "pallas" else None) for impl in impls])
+        fl, by = dot_flops(bsz, T, dims, chunk), min_bytes(bsz, T, dims)
+        get = lambda impl, kind: results.get((impl, DEFAULT_CONFIG if impl == "pallas" else None, kind))
+        for impl in impls:
+            f, b = get(impl, "fwd"), get(impl, "fwd+bwd")
+            if not f or not b:
+                print(f"| {key} | {impl} | failed |||||||", flush=True)
+                continue
+            cells = []
+            for (t, _), flops, nbytes in ((f, fl[0], by[0]), (b, fl[1], by[1])):
+                tf, tb = flops / t[0] / 1e12, nbytes / t[0] / 1e12
+                cells.append((fmt_time(t), f"{tf:.1f} · {tb:.2f} ({100 * tf / PEAK_TFLOPS:.1f}% · "
+                                           f"{100 * tb / CEILING_TBPS:.0f}%)"))
+            speed = ""
+            pf, pb = get("pallas", "fwd"), get("pallas", "fwd+bwd")
+            if impl != "pallas" and pf and pb:
+                speed = f"{f[0][0] / pf[0][0]:.2f}× / {b[0][0] / pb[0][0]:.2f}×"
+            err = ""
+            rf, rb = get("reference", "fwd"), get("reference", "fwd+bwd")
+            if impl != "reference" and rf and rb:
+                gg, gr = b[1][1], rb[1][1]
+                err = (f"{rel(f[1], rf[1]):.1e}, {rel(gg['V'], gr['V']):.1e}, {rel(gg['Q'], gr['Q']):.1e}, "
+                       f"{rel(gg['ADT'], gr['ADT']):.1e}")
+            official = OFFICIAL_MS.get((bsz, T))
+            print(f"| {key} ({bsz}×{T}) | {impl} | {cells[0][0]} | {cells[0][1]} | {cells[1][0]} | {cells[1][1]} | "
+                  f"{speed} | {'' if official is None else f'{official[0]} / {official[1]}'} | {err} |", flush=True)
+            records.append(dict(kind="table", shape=key, impl=impl, fwd=f[0], fwd_bwd=b[0], flops=fl, bytes=by))
+    print("\n'× pallas' = that row's time / pallas time", flush=True)
+
+    if sweep:
+        results = measure(first, [("pallas", cfg) for cfg in sweep])
+        print(f"\n## Pallas config sweep at {first} (median of {iters}, min–max)\n\n"
+              "| config | fwd ms | fwd+bwd ms |\n|---|---|---|")
+        for cfg in sweep:
+            f, b = results.get(("pallas", cfg, "fwd")), results.get(("pallas", cfg, "fwd+bwd"))
+            print(f"| {_short(cfg)} | {fmt_time(f[0]) if f else 'failed'} | {fmt_time(b[0]) if b else 'failed'} |",
+                  flush=True)
+            for kind, r in (("fwd", f), ("fwd+bwd", b)):
+                if r:
+                    records.append(dict(kind="sweep", shape=first, config=dataclasses.asdict(cfg), what=kind,
+                                        time=r[0]))
+
+    if a.breakdown:
+        stages = stage_breakdown(shapes[first], dims, chunk, DEFAULT_CONFIG, iters, interpret, a.workers)
+        total = sum(t[0] for _, t in stages)
+        print(f"\n## Pallas launches one by one, {first}, {_short(DEFAULT_CONFIG)}\n\n"
+              "| stage | ms (min–max) | share |\n|---|---|---|")
+        for name, t in stages:
+            print(f"| {name} | {fmt_time(t)} | {100 * t[0] / total:.0f}% |", flush=True)
+            records.append(dict(kind="breakdown", shape=first, stage=name, time=t))
+        print(f"| sum (each launch timed alone, dispatch included) | {total * 1e3:.3f} | |", flush=True)
+
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(jax=jax.__version__, device=device.device_kind, records=records),
+                                           indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Launch parameters of the Pallas Mamba-3 SISO kernels, and the static geometry of one call.
+
+Why a separate module: the kernels, the `custom_vjp` wrapper, the glue that pads and permutes the
+operands, the benchmark and the tests must all agree on how a call is cut into blocks. Everything here
+is static (Python ints and strings), so it is part of the jit cache key.
+
+The chunk length is not a field of `Mamba3ScanConfig`: it is the op's `chunk_size` argument, rounded
+by `chunk_length` to a power of two the Triton dots accept (a tuning knob; the result changes only by
+rounding).
+
+Layout of d_state (see `layout.py`): the N dims of q, k and the state are split into up to three
+"parts", each padded to a power of two of at least `min_width` columns (Triton's `tl.dot` needs
+every dimension >= 16):
+  even  [Sp]  dims 0, 2, ..., 2S-2   (first element of each rotated pair)
+  odd   [Sp]  dims 1, 3, ..., 2S-1   (second element of each rotated pair)
+  rest  [Rp]  dims 2S .. N-1         (not rotated)
+so the RoPE rotation of pair a is elementwise between column a of `even` and of `odd`, and no
+kernel ever slices or interleaves a loaded tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+
+def next_power_of_2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def _is_power_of_2(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and not x & (x - 1)
+
+
+STORED_STATE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mamba3ScanConfig:
+    """Static launch parameters of the Pallas Mamba-3 SISO kernels.
+
+    Attributes:
+      state_block_p: headdim rows per program of the two chunk combines (their grid is
+        batch × heads × headdim/state_block_p; each program walks every chunk of its rows).
+      num_warps_state: Triton warps of the chunk combines.
+      num_warps_local: Triton warps of the per-chunk state / adjoint contribution kernels.
+      num_warps_chunk: Triton warps of the forward chunk-output kernel.
+      num_warps_grad: Triton warps of the backward chunk-gradient kernel.
+      num_stages: Triton software-pipelining depth of every kernel.
+      min_width: smallest width of a d_state part or of headdim (tl.dot needs dims >= 16).
+      min_chunk, max_chunk: the range the op's chunk_size is clamped to (powers of two).
+      stored_state_dtype: dtype of the chunk-boundary states kept between launches ("float32", or
+        "bfloat16" as the official kernel stores them); the running states are float32 either way.
+    """
+
+    state_block_p: int = 16
+    num_warps_state: int = 4
+    num_warps_local: int = 4
+    num_warps_chunk: int = 8
+    num_warps_grad: int = 4
+    num_stages: int = 1
+    min_width: int = 16
+    min_chunk: int = 16
+    max_chunk: int = 128
+    stored_state_dtype: str = "float32"
+
+    def validate(self) -> "Mamba3ScanConfig":
+        for name in ("state_block_p", "num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad",
+                     "min_width", "min_chunk", "max_chunk"):
+            v = getattr(self, name)
+            if not _is_power_of_2(v):
+                raise ValueError(f"Mamba3ScanConfig.{name} must be a positive power of two, got {v!r}")
+        if self.min_chunk > self.max_chunk:
+            raise ValueError(f"Mamba3ScanConfig.min_chunk ({self.min_chunk}) must be <= max_chunk ({self.max_chunk})")
+        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"Mamba3ScanConfig.num_stages must be a positive int, got {self.num_stages!r}")
+        if self.stored_state_dtype not in STORED_STATE_DTYPES:
+            raise ValueError(f"Mamba3ScanConfig.stored_state_dtype must be one of {STORED_STATE_DTYPES}, "
+                             f"got {self.stored_state_dtype!r}")
+        return self
+
+
+# Frozen default for the PERF.md shape (H=24, P=64, N=128, chunk 64): the gradient kernel at 4 warps
+# (2 CTAs per SM) measured 1.85 ms faster than at 8 on the H200; benchmarks/notes_mamba3_scan.md has
+# the sweep and the register / barrier analysis behind the other values.
+DEFAULT_CONFIG = Mamba3ScanConfig()
+
+
+def chunk_length(chunk_size: int, seqlen: int, config: Mamba3ScanConfig) -> int:
+    """The chunk the kernels use: a power of two in [min_chunk, max_chunk], at most chunk_size
+    (rounded down) and no longer than the sequence needs."""
+    want = 1 << (max(int(chunk_size), 1).bit_length() - 1)            # largest power of two <= chunk_size
+    want = min(want, next_power_of_2(seqlen))
+    return max(config.min_chunk, min(config.max_chunk, want))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanGeometry:
+    """Static description of one (padded, permuted) call, shared by its forward and backward kernels.
+
+    Attributes:
+      batch, seqlen, heads, groups, headdim, d_state, num_angles: the call's Bt, T, H, G, P, N, S.
+      chunk: chunk length L (power of two); padded_seqlen: T rounded up to a multiple of L.
+      padded_headdim: P rounded up to a power of two >= min_width.
+      angle_width: Sp, the padded width of the even/odd parts (0 when S = 0).
+      rest_width: Rp, the padded width of the unrotated part (0 when N = 2S).
+      has_z: the output is gated by silu(Z).
+      matmul_dtype: operand dtype of the in-kernel dots ("bfloat16"/"float16" for 16-bit
+        activations: tensor cores with float32 accumulation; "float32": exact float32 dots).
+      io_dtype: dtype of V / Z / out.
+      config: the launch parameters.
+      interpret: run the kernels in the Pallas interpreter (CPU).
+    """
+
+    batch: int
+    seqlen: int
+    heads: int
+    groups: int
+    headdim: int
+    d_state: int
+    num_angles: int
+    chunk: int
+    padded_seqlen: int
+    padded_headdim: int
+    angle_width: int
+    rest_width: int
+    has_z: bool
+    matmul_dtype: str
+    io_dtype: str
+    config: Mamba3ScanConfig
+    interpret: bool = False
+
+    @property
+    def n_chunks(self) -> int:
+        return self.padded_seqlen // self.chunk
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.heads // self.groups
+
+    @property
+    def has_angles(self) -> bool:
+        return self.angle_width > 0
+
+    @property
+    def parts(self) -> tuple[tuple[str, int], ...]:
+        """(name, padded width) of the d_state parts present, in layout order."""
+        out = []
+        if self.angle_width:
+            out += [("even", self.angle_width), ("odd", self.angle_width)]
+        if self.rest_width:
+            out.append(("rest", self.rest_width))
+        return tuple(out)
+
+    @property
+    def part_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.parts)
+
+    @property
+    def state_block_p(self) -> int:
+        return min(self.config.state_block_p, self.padded_headdim)
+
+    @property
+    def stored_state_dtype(self):
+        return jnp.dtype(self.config.stored_state_dtype)
+
+
+def make_geometry(*, batch, seqlen, heads, groups, headdim, d_state, num_angles, chunk_size, has_z,
+                  matmul_dtype, io_dtype, config: Mamba3ScanConfig | None = None,
+                  interpret: bool = False) -> ScanGeometry:
+    """The static plan of a call (see ScanGeometry); `config` None means DEFAULT_CONFIG."""
+    if config is not None and not isinstance(config, Mamba3ScanConfig):
+        raise TypeError(f"config must be a Mamba3ScanConfig or None, got {type(config).__name__}")
+    cfg = (config or DEFAULT_CONFIG).validate()
+    L = chunk_length(chunk_size, seqlen, cfg)
+
+    def width(n):
+        return 0 if n == 0 else max(cfg.min_width, next_power_of_2(n))
+
+    return ScanGeometry(
+        batch=batch, seqlen=seqlen, heads=heads, groups=groups, headdim=headdim, d_state=d_state,
+        num_angles=num_angles, chunk=L, padded_seqlen=-(-seqlen // L) * L,
+        padded_headdim=width(headdim), angle_width=width(num_angles), rest_width=width(d_state - 2 * num_angles),
+        has_z=bool(has_z), matmul_dtype=jnp.dtype(matmul_dtype).name, io_dtype=jnp.dtype(io_dtype).name,
+        config=cfg, interpret=bool(interpret))

@@ -1,0 +1,189 @@
+"""HBM layouts, program grids and block specs of the Mamba-3 SISO kernels: how each array is cut.
+
+The arrays the kernels see are already padded and permuted by `scan.py`: T is a multiple of the
+chunk L, headdim is Pp, and d_state is split into parts (config.py) whose widths are powers of two.
+
+Layouts (HBM); `w` is the width of one d_state part:
+  group rows     [Bt, Tp, G, w]       one d_state part of Q or K (input dtype)
+  head rows      [Bt, Tp, H, Pp]      V, Z, out, d_out, dV, dZ
+  head parts     [Bt, Tp, H, w]       per-head gradients of the biased queries / keys (float32)
+  biases         [H, w]               one part of Q_bias / K_bias (float32)
+  sequences      [Bt, H, Tp]          ADT, scale s, skip D + δ and their gradients (float32)
+  angle rows     [Bt, H, Tp, Sp]      RoPE angle increments π·tanh(angles)·DT and their gradients
+  chunk angles   [Bt, H, nc, Sp]      the (wrapped) angle entering each chunk
+  chunk vectors  [Bt, H, nc, w]       per-chunk partial sums of the bias gradients (float32)
+  chunk states   [Bt, H, nc, Pp, w]   one part of a per-chunk state: a chunk's own contribution, the
+                                      state entering it (forward) or the adjoint leaving it (backward)
+  chunk scalars  [Bt, H, nc]          e^{Σ ADT} of each chunk (float32)
+  states         [Bt, H, Pp, w]       one part of the initial / final state (float32)
+
+Grids are flattened to one axis, so that every `vmap` of a `pallas_call` (which prepends a grid axis)
+still fits Triton's three:
+  chunk grid  program (b, c, h), h fastest: the H programs of one (b, c) read the same group rows,
+              so those stay in L2;
+  state grid  program (b, h, j): j = block of `state_block_p` headdim rows; each walks all chunks
+              (the combine of state_passes.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.mamba3_siso.config import ScanGeometry
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkGrid:
+    """Programs (b, c, h) over batch rows, chunks and heads; each owns one chunk of one head."""
+
+    geo: ScanGeometry
+
+    @property
+    def size(self):
+        g = self.geo
+        return (g.batch * g.n_chunks * g.heads,)
+
+    def head(self, p):
+        return p % self.geo.heads
+
+    def chunk(self, p):
+        return (p // self.geo.heads) % self.geo.n_chunks
+
+    def row(self, p):
+        return p // (self.geo.heads * self.geo.n_chunks)
+
+    def group(self, p):
+        return self.head(p) // self.geo.heads_per_group
+
+    # ---- block specs (index maps get the flat program id)
+    def group_rows(self, width):
+        return pl.BlockSpec((None, self.geo.chunk, None, width),
+                            lambda p: (self.row(p), self.chunk(p), self.group(p), 0))
+
+    def head_rows(self):
+        return pl.BlockSpec((None, self.geo.chunk, None, self.geo.padded_headdim),
+                            lambda p: (self.row(p), self.chunk(p), self.head(p), 0))
+
+    def head_parts(self, width):
+        return pl.BlockSpec((None, self.geo.chunk, None, width),
+                            lambda p: (self.row(p), self.chunk(p), self.head(p), 0))
+
+    def bias(self, width):
+        return pl.BlockSpec((None, width), lambda p: (self.head(p), 0))
+
+    def sequence(self):
+        return pl.BlockSpec((None, None, self.geo.chunk), lambda p: (self.row(p), self.head(p), self.chunk(p)))
+
+    def angle_rows(self):
+        return pl.BlockSpec((None, None, self.geo.chunk, self.geo.angle_width),
+                            lambda p: (self.row(p), self.head(p), self.chunk(p), 0))
+
+    def chunk_angle(self):
+        return pl.BlockSpec((None, None, None, self.geo.angle_width),
+                            lambda p: (self.row(p), self.head(p), self.chunk(p), 0))
+
+    def chunk_state(self, width):
+        return pl.BlockSpec((None, None, None, self.geo.padded_headdim, width),
+                            lambda p: (self.row(p), self.head(p), self.chunk(p), 0, 0))
+
+    def chunk_vector(self, width):
+        return pl.BlockSpec((None, None, None, width), lambda p: (self.row(p), self.head(p), self.chunk(p), 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class StateGrid:
+    """Programs (b, h, j) over batch rows, heads and blocks of headdim rows; each walks all chunks."""
+
+    geo: ScanGeometry
+
+    @property
+    def n_row_blocks(self):
+        return self.geo.padded_headdim // self.geo.state_block_p
+
+    @property
+    def size(self):
+        g = self.geo
+        return (g.batch * g.heads * self.n_row_blocks,)
+
+    def row_block(self, p):
+        return p % self.n_row_blocks
+
+    def head(self, p):
+        return (p // self.n_row_blocks) % self.geo.heads
+
+    def row(self, p):
+        return p // (self.n_row_blocks * self.geo.heads)
+
+    def group(self, p):
+        return self.head(p) // self.geo.heads_per_group
+
+    def group_rows(self, width):
+        return pl.BlockSpec((None, self.geo.padded_seqlen, None, width),
+                            lambda p: (self.row(p), 0, self.group(p), 0))
+
+    def head_row_block(self):
+        return pl.BlockSpec((None, self.geo.padded_seqlen, None, self.geo.state_block_p),
+                            lambda p: (self.row(p), 0, self.head(p), self.row_block(p)))
+
+    def bias(self, width):
+        return pl.BlockSpec((None, width), lambda p: (self.head(p), 0))
+
+    def sequence(self):
+        return pl.BlockSpec((None, None, self.geo.padded_seqlen), lambda p: (self.row(p), self.head(p), 0))
+
+    def angle_rows(self):
+        return pl.BlockSpec((None, None, self.geo.padded_seqlen, self.geo.angle_width),
+                            lambda p: (self.row(p), self.head(p), 0, 0))
+
+    def chunk_angles(self):
+        return pl.BlockSpec((None, None, self.geo.n_chunks, self.geo.angle_width),
+                            lambda p: (self.row(p), self.head(p), 0, 0))
+
+    def chunk_scalars(self):
+        return pl.BlockSpec((None, None, self.geo.n_chunks), lambda p: (self.row(p), self.head(p), 0))
+
+    def chunk_states(self, width):
+        return pl.BlockSpec((None, None, self.geo.n_chunks, self.geo.state_block_p, width),
+                            lambda p: (self.row(p), self.head(p), 0, self.row_block(p), 0))
+
+    def state(self, width):
+        return pl.BlockSpec((None, None, self.geo.state_block_p, width),
+                            lambda p: (self.row(p), self.head(p), self.row_block(p), 0))
+
+
+def run_kernel(body, geo: ScanGeometry, grid, inputs, outputs, name, num_warps):
+    """Launches `body` over `grid` with named refs.
+
+    Args:
+      body: `body(refs: dict[str, Ref])`, the kernel.
+      geo: the ScanGeometry (interpret flag, pipelining depth).
+      grid: a ChunkGrid or StateGrid.
+      inputs: list of (name, array, BlockSpec), entries whose array is None are skipped;
+      outputs: list of (name, ShapeDtypeStruct, BlockSpec).
+      name: kernel name (shows up in profiles).
+      num_warps: Triton warps per program.
+
+    Returns:
+      dict name -> output array.
+    """
+    inputs = [i for i in inputs if i[1] is not None]
+    in_names = [n for n, _, _ in inputs]
+    out_names = [n for n, _, _ in outputs]
+
+    def kernel(*refs):
+        body(dict(zip(in_names + out_names, refs)))
+
+    results = pl.pallas_call(
+        kernel,
+        out_shape=[s for _, s, _ in outputs],
+        grid=grid.size,
+        in_specs=[s for _, _, s in inputs],
+        out_specs=[s for _, _, s in outputs],
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=geo.config.num_stages),
+        interpret=geo.interpret,
+        name=name,
+    )(*[a for _, a, _ in inputs])
+    return dict(zip(out_names, results))

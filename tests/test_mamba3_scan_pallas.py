@@ -1,0 +1,361 @@
+"""Pallas Mamba-3 SISO scan vs the pure-JAX reference: values, final states and every cotangent (the
+four initial states included), dispatch, lowering, determinism, vmap/jit/checkpoint.
+
+CPU: the kernels run in the Pallas interpreter at tiny, deliberately awkward shapes (T not a multiple
+of the chunk, several chunks, groups, headdim and d_state not powers of two, S = N/4, S = N/2, S = 0,
+with and without Z / D / initial states, float32 and bfloat16), plus a lowering of forward+backward
+for an abstract H200, so that an op the Triton lowering does not support fails here without a GPU.
+Interpret-mode compiles dominate the run time (~10 s each), so each case is one jitted forward+VJP.
+GPU (`-m gpu`, H200): the full matrix including the PERF.md shape, determinism, vmap, fallback. Run
+them without pytest-xdist's `-n` (or with few workers): the reference's VJP at the PERF.md shape keeps
+every step's state, ~45 GB of GPU memory per process (two at once ran out of memory on the H200).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+# The Pallas interpreter imports `pallas.fuser` on first use, which registers a config value in JAX's
+# trace context and so invalidates every jit cache entry made before it; import it up front.
+import jax.experimental.pallas.fuser  # noqa: F401
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import assert_close
+from jmamba.ops import dispatch, mamba3_siso_scan
+from jmamba.ops.mamba3_siso_scan import pallas as pallas_glue
+from jmamba.ops.mamba3_siso_scan.common import Mamba3ScanStates
+from jmamba.ops.mamba3_siso_scan.reference import mamba3_siso_scan_reference
+from pallas_kernels.mamba3_siso import Mamba3ScanConfig, mamba3_siso_scan_pallas
+from pallas_kernels.mamba3_siso.config import chunk_length, make_geometry
+
+ARRAYS = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "Angles", "D", "Z")
+STATES = ("angle", "ssm", "k", "v")
+ON_GPU = jax.default_backend() == "gpu"
+# Gradients that sum over (batch, time) or over a whole chunk of terms: compared at twice the tolerance.
+SUMMED = ("ADT", "DT", "Angles", "Q_bias", "K_bias", "D", "angle")
+
+
+def make_inputs(shape, dtype, *, with_z=True, with_D=True, with_states=True, seed=0):
+    """(arrays dict, initial states or None) like the mixer's: activations in `dtype`, the rest f32.
+
+    shape = (Bt, T, H, G, N, P, S); Angles per head [Bt, T, H, S] (the op broadcasts shared ones).
+    """
+    bsz, T, H, G, N, P, S = shape
+    r = np.random.default_rng(seed)
+    dt = np.exp(r.uniform(np.log(1e-3), np.log(0.5), (bsz, T, H)))
+    a = dict(Q=r.normal(size=(bsz, T, G, N)), K=r.normal(size=(bsz, T, G, N)), V=r.normal(size=(bsz, T, H, P)),
+             ADT=-r.uniform(1, 4, (bsz, T, H)) * dt, DT=dt, Trap=r.normal(size=(bsz, T, H)),
+             Q_bias=r.normal(size=(H, N)), K_bias=r.normal(size=(H, N)), Angles=r.normal(size=(bsz, T, H, S)),
+             D=r.normal(size=(H,)) if with_D else None, Z=r.normal(size=(bsz, T, H, P)) if with_z else None)
+    low = ("Q", "K", "V", "Z", "Trap")
+    arrays = {k: None if v is None else jnp.asarray(v, dtype if k in low else jnp.float32) for k, v in a.items()}
+    states = None
+    if with_states:
+        states = Mamba3ScanStates(jnp.asarray(r.uniform(0, 2 * np.pi, (bsz, H, S)), jnp.float32),
+                                  jnp.asarray(r.normal(size=(bsz, H, P, N)), jnp.float32),
+                                  jnp.asarray(r.normal(size=(bsz, H, N)), jnp.float32),
+                                  jnp.asarray(r.normal(size=(bsz, H, P)), jnp.float32))
+    return arrays, states
+
+
+def cotangents(arrays, seed=1):
+    """Random cotangents of out (in V's dtype) and of the four final states (float32)."""
+    r = np.random.default_rng(seed)
+    bsz, T, H, P = arrays["V"].shape
+    N, S = arrays["Q"].shape[-1], arrays["Angles"].shape[-1]
+    d_out = jnp.asarray(r.normal(size=(bsz, T, H, P)), arrays["V"].dtype)
+    d_final = Mamba3ScanStates(*(jnp.asarray(r.normal(size=s), jnp.float32)
+                                 for s in ((bsz, H, S), (bsz, H, P, N), (bsz, H, N), (bsz, H, P))))
+    return d_out, d_final
+
+
+def _as_states(final):
+    return Mamba3ScanStates(*final)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "present", "chunk_size"))
+def _value_and_vjp(impl, present, chunk_size, arrays, states, d_out, d_final):
+    """(out, final states, cotangents of the present arrays, cotangents of the initial states)."""
+    def f(vals, states):
+        kw = dict(zip(present, vals))
+        out, final = impl(*[kw.get(k) for k in ARRAYS], states, None, chunk_size=chunk_size)
+        return out, _as_states(final)
+
+    (out, final), vjp = jax.vjp(f, arrays, states)
+    d_arrays, d_states = vjp((d_out, d_final))
+    return out, final, d_arrays, d_states
+
+
+@functools.lru_cache(maxsize=None)
+def _pallas(config=None):
+    """One callable per config, so the jit cache of `_value_and_vjp` (static `impl`) is reused."""
+    return functools.partial(mamba3_siso_scan_pallas, config=config, interpret=not ON_GPU)
+
+
+def run_both(arrays, states, chunk_size, config=None):
+    present = tuple(k for k in ARRAYS if arrays[k] is not None)
+    vals = tuple(arrays[k] for k in present)
+    d_out, d_final = cotangents(arrays)
+    got = _value_and_vjp(_pallas(config), present, chunk_size, vals, states, d_out, d_final)
+    want = _value_and_vjp(mamba3_siso_scan_reference, present, chunk_size, vals, states, d_out, d_final)
+    return present, got, want
+
+
+def check_against_reference(arrays, states, chunk_size, tol, config=None):
+    present, (out, final, d_arrays, d_states), (w_out, w_final, w_arrays, w_states) = run_both(
+        arrays, states, chunk_size, config)
+    assert out.dtype == arrays["V"].dtype and out.shape == arrays["V"].shape
+    assert_close("out", out, w_out, tol)
+    for name, got, want in zip(STATES, final, w_final):
+        assert got.dtype == jnp.float32 and got.shape == want.shape, name
+        assert_close(f"final {name}", got, want, tol)
+    assert len(d_arrays) == len(present)
+    for name, got, want in zip(present, d_arrays, w_arrays):
+        assert got.dtype == arrays[name].dtype and got.shape == arrays[name].shape, name
+        assert_close(f"d{name}", got, want, tol * (2 if name in SUMMED else 1))
+    if states is not None:
+        for name, got, want in zip(STATES, d_states, w_states):
+            assert got.dtype == jnp.float32, name
+            assert_close(f"d initial {name}", got, want, tol * (2 if name in SUMMED else 1))
+    return out, final, d_arrays, d_states
+
+
+# (id, shape (Bt, T, H, G, N, P, S), dtype, options, chunk_size, tol). The kernels' chunk is at least 16.
+CASES = [
+    # 3 chunks, the last partial; 2 groups of 2 heads; S = N/4 (rope_fraction 0.5); P padded 3 -> 16
+    ("f32-groups-states-z", (2, 37, 4, 2, 8, 3, 2), jnp.float32, dict(), 16, 2e-5),
+    # S = N/2 (rope_fraction 1.0, no unrotated part); bf16 activations (bf16 tensor-core dots); chunk 32
+    ("bf16-fullrope-states-z", (1, 70, 2, 1, 6, 4, 3), jnp.bfloat16, dict(), 32, 2e-2),
+    # S = 0 (no rotation at all), no Z (the is_outproj_norm call), no D, fresh sequence
+    ("f32-no-angles-bare", (1, 20, 2, 1, 8, 16, 0), jnp.float32,
+     dict(with_z=False, with_D=False, with_states=False), 16, 2e-5),
+    # N odd (7 = 2·1 + 5), 3 groups of 2 heads, P = 20 (padded to 32), chunk_size 5 (rounded up to 16)
+    ("f32-odd-dims-groups", (2, 50, 6, 3, 7, 20, 1), jnp.float32, dict(), 5, 2e-5),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,options,chunk_size,tol", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_values_and_every_cotangent_match_reference(shape, dtype, options, chunk_size, tol):
+    arrays, states = make_inputs(shape, dtype, **options)
+    check_against_reference(arrays, states, chunk_size, tol)
+
+
+def test_two_runs_are_bit_identical():
+    """Partial sums (group and bias gradients) are reduced in a fixed order: no run-to-run noise."""
+    arrays, states = make_inputs(CASES[0][1], jnp.float32)
+    _, first, _ = run_both(arrays, states, 16)
+    _, second, _ = run_both(arrays, states, 16)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bf16_stored_states_stay_close_to_reference():
+    """The optional bf16 storage of chunk-boundary states (as the official kernel) only adds rounding."""
+    arrays, states = make_inputs((1, 40, 2, 1, 8, 16, 2), jnp.bfloat16, seed=5)
+    check_against_reference(arrays, states, 16, 2e-2, Mamba3ScanConfig(stored_state_dtype="bfloat16"))
+
+
+def test_vmap_jit_and_checkpoint_gradients_match_reference():
+    """vmap prepends a grid axis to every pallas_call (the 1-D grids keep that within Triton's three);
+    jax.checkpoint re-runs the forward kernels inside the backward."""
+    arrays, states = make_inputs((1, 20, 2, 1, 8, 16, 2), jnp.float32, seed=3)
+    signs = jnp.array([1.0, -0.5])
+
+    def loss(impl, v, h0, adt):
+        def one(sign):
+            out, final = impl(arrays["Q"], arrays["K"], v * sign, adt, arrays["DT"], arrays["Trap"], arrays["Q_bias"],
+                              arrays["K_bias"], arrays["Angles"], arrays["D"], arrays["Z"],
+                              states._replace(ssm=h0 * sign), None, chunk_size=16)
+            return jnp.sum(out * jnp.sin(out)) + jnp.sum(final[1] ** 2) + jnp.sum(jnp.cos(final[0]))
+        return jnp.sum(jax.vmap(one)(signs))
+
+    pallas_loss = jax.checkpoint(functools.partial(loss, _pallas()))
+    got_val, got = jax.jit(jax.value_and_grad(pallas_loss, argnums=(0, 1, 2)))(arrays["V"], states.ssm, arrays["ADT"])
+    reference_loss = functools.partial(loss, mamba3_siso_scan_reference)
+    want_val, want = jax.jit(jax.value_and_grad(reference_loss, argnums=(0, 1, 2)))(arrays["V"], states.ssm, arrays["ADT"])
+    assert_close("value", got_val, want_val, 2e-5)
+    for name, a, b in zip(("V", "initial ssm", "ADT"), got, want):
+        assert_close(f"d{name}", a, b, 4e-5)
+
+
+def test_explicit_pallas_through_the_op_with_shared_angles():
+    """The op broadcasts [Bt, T, S] angles over heads; their cotangent is summed back over heads."""
+    arrays, states = make_inputs((1, 9, 2, 1, 8, 16, 2), jnp.float32, seed=4)
+    shared = arrays["Angles"][:, :, 0]
+    kw = dict(arrays, Angles=shared)
+
+    def loss(impl, kw):
+        out, final = mamba3_siso_scan(**kw, initial_states=states, return_final_states=True, chunk_size=16,
+                                      implementation=impl)
+        return jnp.sum(out * out) + jnp.sum(final.k)
+
+    got = jax.jit(jax.value_and_grad(functools.partial(loss, "pallas")))(kw)
+    want = jax.jit(jax.value_and_grad(functools.partial(loss, "reference")))(kw)
+    assert_close("value", got[0], want[0], 2e-5)
+    for k in ARRAYS:
+        assert_close(f"d{k}", got[1][k], want[1][k], 4e-5)
+
+
+# ------------------------------------------------------------------------------- abstract H200 lowering
+def _lower_for_h200(shape, dtype, *, with_z=True):
+    """Traces forward+backward and lowers it for an abstract H200: runs the Pallas->Triton lowering."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    arrays, states = make_inputs(shape, dtype, with_z=with_z)
+    present = tuple(k for k in ARRAYS if arrays[k] is not None)
+    specs = [jax.ShapeDtypeStruct(arrays[k].shape, arrays[k].dtype) for k in present]
+    state_specs = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states)
+
+    def loss(vals, states):
+        kw = dict(zip(present, vals))
+        out, final = mamba3_siso_scan_pallas(*[kw.get(k) for k in ARRAYS], states, None, chunk_size=64)
+        return jnp.sum(out.astype(jnp.float32)) + sum(jnp.sum(x) for x in final)
+
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+        warnings.simplefilter("ignore", DeprecationWarning)   # "Pallas Triton backend is deprecated"
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(specs, state_specs).lower(lowering_platforms=("cuda",))
+    return lowered.as_text()
+
+
+@pytest.mark.parametrize("shape,dtype,with_z", [
+    ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True),     # the PERF.md shape
+    ((2, 70, 6, 3, 7, 20, 1), jnp.float32, False),            # padding everywhere, groups, no Z
+    ((1, 64, 2, 1, 16, 64, 8), jnp.float16, True),            # rope_fraction 1.0, f16 tensor-core dots
+], ids=["perf-shape-bf16", "odd-shape-f32", "fullrope-f16"])
+def test_kernels_lower_to_triton_for_h200(shape, dtype, with_z):
+    text = _lower_for_h200(shape, dtype, with_z=with_z)
+    # forward: chunk states, state combine, chunk outputs; backward: chunk adjoints, adjoint combine,
+    # chunk gradients
+    assert text.count("__gpu$xla.gpu.triton") == 6
+
+
+def test_abstract_lowering_rejects_what_triton_cannot_lower():
+    """Control for the test above: a block of 3 (not a power of two) fails the Triton lowering."""
+    from jax.experimental import pallas as pl
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0
+
+    f = lambda x: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    with pytest.raises(ValueError, match="power of 2"), jax.sharding.use_abstract_mesh(mesh):
+        jax.jit(f).trace(jax.ShapeDtypeStruct((3,), jnp.float32)).lower(lowering_platforms=("cuda",))
+
+
+# ------------------------------------------------------------------------------------------ dispatch
+def _call(**change):
+    f32 = jnp.float32
+    base = dict(Q=jnp.ones((1, 8, 1, 128), f32), V=jnp.ones((1, 8, 2, 64), f32), Angles=jnp.ones((1, 8, 2, 32), f32),
+                initial_states=None, reset=None, chunk_size=64)
+    base.update(change)
+    return base
+
+
+@pytest.mark.parametrize("platform,change,reason", [
+    ("tpu", {}, "platform 'tpu'"),
+    ("gpu", {"reset": jnp.zeros((1, 8), bool)}, "reset"),
+    ("gpu", {"Q": jnp.ones((1, 8, 1, 512), jnp.float32)}, "d_state N=512"),
+    ("gpu", {"V": jnp.ones((1, 8, 2, 256), jnp.float32)}, "headdim P=256"),
+    ("gpu", {"V": jnp.ones((1, 0, 2, 64), jnp.float32)}, "empty"),
+    ("gpu", {"Angles": "float64"}, "float64"),
+])
+def test_supported_explains_what_it_cannot_handle(platform, change, reason):
+    with jax.enable_x64(True):   # so that a float64 array can exist
+        if change.get("Angles") == "float64":
+            change = {"Angles": jnp.ones((1, 8, 2, 32), jnp.float64)}
+        if platform == "gpu":   # the same call without the change is supported
+            assert pallas_glue.supported(platform=platform, **_call()) is None
+        msg = pallas_glue.supported(platform=platform, **_call(**change))
+        assert msg is not None and reason in msg
+        with pytest.raises(NotImplementedError, match=reason):
+            dispatch.choose("mamba3_siso_scan", "pallas", platform=platform, **_call(**change))
+
+
+def test_automatic_choice_prefers_pallas_on_gpu_and_falls_back_with_one_warning():
+    assert dispatch.choose("mamba3_siso_scan", None, platform="gpu", **_call()).fn.__name__ == "mamba3_siso_scan_pallas"
+    assert dispatch.choose("mamba3_siso_scan", None, platform="cpu", **_call()).fn.__name__ == "mamba3_siso_scan_xla"
+    resets = _call(reset=jnp.zeros((1, 8), bool))
+    dispatch._WARNED.clear()
+    with pytest.warns(UserWarning, match="instead of 'pallas'.*reset"):
+        impl = dispatch.choose("mamba3_siso_scan", None, platform="gpu", **resets)
+    assert impl.fn.__name__ == "mamba3_siso_scan_xla"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the same reason warns only once
+        dispatch.choose("mamba3_siso_scan", None, platform="gpu", **resets)
+
+
+def test_kernel_refuses_a_reset_mask_and_a_bad_config():
+    arrays, _ = make_inputs((1, 4, 2, 1, 8, 16, 2), jnp.float32)
+    args = [arrays[k] for k in ARRAYS]
+    with pytest.raises(NotImplementedError, match="reset"):
+        mamba3_siso_scan_pallas(*args, None, jnp.zeros((1, 4), bool), chunk_size=16, interpret=True)
+    with pytest.raises(TypeError, match="config"):
+        mamba3_siso_scan_pallas(*args, None, None, chunk_size=16, config={"state_block_p": 16}, interpret=True)
+
+
+@pytest.mark.parametrize("field,value", [("state_block_p", 12), ("num_warps_grad", 0), ("min_width", 24),
+                                         ("num_stages", 0), ("max_chunk", 96), ("stored_state_dtype", "float16")])
+def test_bad_config_raises_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        Mamba3ScanConfig(**{field: value}).validate()
+
+
+def test_chunk_size_is_rounded_to_a_power_of_two_the_dots_accept():
+    cfg = Mamba3ScanConfig()
+    assert [chunk_length(c, 2048, cfg) for c in (1, 5, 16, 48, 64, 100, 1000)] == [16, 16, 16, 32, 64, 64, 128]
+    assert chunk_length(64, 20, cfg) == 32        # no longer than the sequence needs
+    geo = make_geometry(batch=1, seqlen=50, heads=6, groups=3, headdim=20, d_state=7, num_angles=1, chunk_size=5,
+                        has_z=False, matmul_dtype=jnp.float32, io_dtype=jnp.float32)
+    assert (geo.chunk, geo.padded_seqlen, geo.padded_headdim, geo.angle_width, geo.rest_width) == (16, 64, 32, 16, 16)
+    assert geo.part_names == ("even", "odd", "rest")
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+GPU_CASES = [
+    ("perf-shape-bf16", (8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, dict(), 64, 2.5e-2),
+    ("bf16-groups-odd-T", (3, 1000, 8, 2, 128, 64, 32), jnp.bfloat16, dict(), 64, 2.5e-2),
+    ("f32-odd-everything", (2, 333, 6, 3, 40, 20, 10), jnp.float32, dict(), 64, 1e-4),
+    ("f16-bare-chunk128", (2, 300, 4, 1, 64, 32, 16), jnp.float16,
+     dict(with_z=False, with_D=False, with_states=False), 128, 1e-2),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,dtype,options,chunk_size,tol", [c[1:] for c in GPU_CASES],
+                         ids=[c[0] for c in GPU_CASES])
+def test_gpu_values_and_cotangents_match_reference(shape, dtype, options, chunk_size, tol):
+    arrays, states = make_inputs(shape, dtype, **options)
+    check_against_reference(arrays, states, chunk_size, tol)
+
+
+@pytest.mark.gpu
+def test_gpu_two_runs_are_bit_identical_at_the_perf_shape():
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16)
+    present = tuple(k for k in ARRAYS if arrays[k] is not None)
+    vals = tuple(arrays[k] for k in present)
+    d_out, d_final = cotangents(arrays)
+    first = _value_and_vjp(_pallas(), present, 64, vals, states, d_out, d_final)
+    second = _value_and_vjp(_pallas(), present, 64, vals, states, d_out, d_final)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.gpu
+def test_gpu_vmap_jit_and_checkpoint():
+    test_vmap_jit_and_checkpoint_gradients_match_reference()
+
+
+@pytest.mark.gpu
+def test_gpu_automatic_choice_is_pallas():
+    arrays, _ = make_inputs((2, 64, 4, 1, 128, 64, 32), jnp.bfloat16)
+    impl = dispatch.choose("mamba3_siso_scan", None, Q=arrays["Q"], V=arrays["V"], Angles=arrays["Angles"],
+                           initial_states=None, reset=None, chunk_size=64)
+    assert impl.fn.__name__ == "mamba3_siso_scan_pallas"
