@@ -7,22 +7,25 @@ OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD PYTHONWARNINGS=ignore::DeprecationWarning
 export JAX_COMPILATION_CACHE_DIR=/tmp/jcc JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-stages=${*:-tests adamw e2e1 e2e3 dp2}
+stages=${*:-adamw_tests e2e1 e2e3 m3_tests adamw dp2}
 run() {  # name, seconds, command...
   local name=$1 secs=$2; shift 2
   echo "=== $name (limit ${secs}s) ==="
   local t0=$(date +%s)
   timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  echo "--- $name rc=$rc in $(( $(date +%s) - t0 ))s"; tail -n 25 "$OUT/$name.log"
+  echo "--- $name rc=$rc in $(( $(date +%s) - t0 ))s"; tail -n 14 "$OUT/$name.log"
+  return $rc
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1; cat "$OUT/gpu.txt"
+OPT=fused
 for s in $stages; do case $s in
-  tests) run tests 150 python3 -m pytest -q -p no:cacheprovider -x -m "gpu" tests/ ;
-         run adamw_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_fused_adamw.py tests/test_no_decay_mask.py ;;
-  adamw) run adamw 120 python3 benchmarks/bench_fused_adamw.py --no-sweep --iters 10 ;;
-  e2e1)  run e2e_mamba1 200 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas,xla --optimizer fused --steps 5 --warmup 2 ;;
-  e2e3)  run e2e_mamba3 200 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas,xla --optimizer fused --steps 5 --warmup 2 ;;
-  dp2)   run dp_equivalence 120 python3 tests/data_parallel_worker.py "$OUT/dp2.json" mamba1 mamba1_fsdp mamba3 f16_scaler split ;
-         run dp_throughput 200 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 5 --warmup 2 --devices 2 ;;
+  tests)       run gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ ;;
+  m3_tests)    run m3_gpu_tests 70 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py ;;
+  adamw_tests) run adamw_tests 60 python3 -m pytest -q -p no:cacheprovider -x tests/test_fused_adamw.py || OPT=adamw ;;
+  adamw)       run adamw 60 python3 benchmarks/bench_fused_adamw.py --no-sweep --iters 10 ;;
+  e2e1)        run e2e_mamba1 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas,xla --optimizer $OPT --steps 5 --warmup 2 ;;
+  e2e3)        run e2e_mamba3 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas,xla --optimizer $OPT --steps 5 --warmup 2 ;;
+  dp2)         run dp_equivalence 50 python3 tests/data_parallel_worker.py "$OUT/dp2.json" mamba1 mamba1_fsdp mamba3 f16_scaler ;
+               run dp_throughput 90 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer $OPT --steps 5 --warmup 2 --devices 2 ;;
 esac; done
 echo "=== done ==="
