@@ -12,24 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from numpy_mamba1 import dsilu, sigmoid, silu, softplus_thr  # noqa: F401  (shared scalar helpers)
+
 TWO_PI = 2 * np.pi
-
-
-def sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
-
-
-def silu(x):
-    return x * sigmoid(x)
-
-
-def dsilu(x):
-    s = sigmoid(x)
-    return s * (1 + x * (1 - s))
-
-
-def softplus_thr(x):
-    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
 
 
 def rot(x, th):

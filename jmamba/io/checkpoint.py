@@ -16,6 +16,7 @@ every key path, shape and dtype of `like`; a mismatch raises naming the field or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any, Optional
@@ -133,16 +134,23 @@ def _resolve_step(mngr, directory, step):
     return step
 
 
-def checkpoint_info(directory, step: Optional[int] = None) -> dict:
-    """{"step", "config" (object or None), "extras"} of a checkpoint (the newest by default)."""
+@contextlib.contextmanager
+def _open_checkpoint(directory, step):
+    """Yields (manager, resolved step, metadata) of a checkpoint (the newest when step is None)."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"no checkpoint directory {directory}")
     mngr = _manager(directory, read_only=True)
     try:
         step = _resolve_step(mngr, directory, step)
-        meta = _read_meta(mngr, step)
+        yield mngr, step, _read_meta(mngr, step)
     finally:
         mngr.close()
+
+
+def checkpoint_info(directory, step: Optional[int] = None) -> dict:
+    """{"step", "config" (object or None), "extras"} of a checkpoint (the newest by default)."""
+    with _open_checkpoint(directory, step) as (_, step, meta):
+        pass
     cfg = None if meta.get("config") is None else config_from_dict(meta["config"])
     return {"step": step, "config": cfg, "extras": _from_jsonable(meta.get("extras", {}))}
 
@@ -162,21 +170,16 @@ def restore_checkpoint(directory, like: TrainState, *, step: Optional[int] = Non
     """
     if not isinstance(like, TrainState):
         raise TypeError(f"like must be a jmamba.TrainState, got {type(like).__name__}")
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"no checkpoint directory {directory}")
-    mngr = _manager(directory, read_only=True)
-    try:
-        step = _resolve_step(mngr, directory, step)
-        meta = _read_meta(mngr, step)
+    with _open_checkpoint(directory, step) as (mngr, step, meta):
         if meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"checkpoint format {meta.get('format_version')!r} is not {FORMAT_VERSION}")
         _check_config(meta.get("config"), config)
         flat_like = _flatten(like)
         _check_leaves(meta["leaves"], flat_like)
-        target = {k: jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v)) for k, v in flat_like.items()}
+        # restore straight into `like`'s placement (a sharded `like` gives a sharded state)
+        target = {k: jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v), sharding=getattr(v, "sharding", None))
+                  for k, v in flat_like.items()}
         flat = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
-    finally:
-        mngr.close()
     leaves = [jnp.asarray(flat[k]) for k in flat_like]
     return jax.tree.unflatten(jax.tree.structure(like), leaves)
 

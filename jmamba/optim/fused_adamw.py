@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import optax
 
 from jmamba.ops import dispatch
+from jmamba.ops.pallas_platform import triton_platform_reason
 from jmamba.optim.adamw_numerics import adamw_leaf_update, is_static_number, step_scalars
 from pallas_kernels.fused_adamw import COMPUTE_DTYPES, KernelConfig
 
@@ -274,9 +275,7 @@ def _pallas_update(ps, gs, ms, vs, scalars, decay, *, compute_dtype, config):
 
 
 def _pallas_supported(platform, **_):
-    if platform in ("gpu", "cuda", "cpu"):   # cpu: the Pallas interpreter (tests)
-        return None
-    return f"the fused AdamW kernel is Pallas-Triton (CUDA GPUs; interpreted on CPU), not {platform}"
+    return triton_platform_reason(platform, "the fused AdamW kernel")
 
 
 dispatch.register(OP, "xla", lambda: dispatch.Implementation(_xla_update, lambda **_: None))

@@ -45,7 +45,8 @@ import jax.numpy as jnp
 
 from jmamba.ops import dispatch
 from jmamba.ops.batch_sharding import call_batch_sharded
-from jmamba.ops.mamba3_siso_scan.common import Mamba3ScanStates, reset_from_row_mask
+from jmamba.ops.mamba3_siso_scan.common import Mamba3ScanStates
+from jmamba.ops.selective_scan.common import reset_from_row_mask
 from jmamba.ops.validation import check_array, check_bool_mask, check_float, shape_of
 
 OP = "mamba3_siso_scan"

@@ -92,13 +92,3 @@ def siso_step(states: Mamba3ScanStates, q_bar, k_bar, v, adt, dt, trap, angles, 
     if z is not None:
         y = y * jax.nn.silu(z)
     return y, Mamba3ScanStates(theta, h, k, v)
-
-
-def reset_from_row_mask(reset, bsz, seqlen):
-    """Normalizes a `[Bt]` or `[Bt, T]` reset mask to `[Bt, T]` bool (a row mask resets at t=0)."""
-    if reset is None:
-        return None
-    reset = jnp.asarray(reset, bool)
-    if reset.ndim == 1:
-        return jnp.zeros((bsz, seqlen), bool).at[:, 0].set(reset)
-    return reset

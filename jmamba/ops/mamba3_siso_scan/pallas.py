@@ -16,29 +16,20 @@ import jax
 import jax.numpy as jnp
 
 from jmamba.ops.mamba3_siso_scan.common import Mamba3ScanStates
+from jmamba.ops.pallas_platform import interpret_mode, triton_platform_reason
 from jmamba.ops.validation import shape_of
 
 # Beyond these the per-program tiles ([chunk, d_state] queries/keys and their gradients, [headdim,
 # d_state] states) no longer fit in registers; the kernels are tuned and tested for N=128, P=64.
 MAX_D_STATE = 256
 MAX_HEADDIM = 128
-_GPU_PLATFORMS = ("gpu", "cuda")
-
-
-def _is_rocm() -> bool:
-    try:
-        return "rocm" in jax.devices("gpu")[0].client.platform_version.lower()
-    except Exception:  # no GPU client at all: not ROCm
-        return False
 
 
 def supported(*, platform, Q, V, Angles, initial_states=None, reset=None, chunk_size=64, **_):
     """None when the Pallas kernels can run this call on `platform`, else the reason in words."""
-    if platform not in _GPU_PLATFORMS + ("cpu",):
-        return (f"the Pallas Mamba-3 SISO kernels target CUDA GPUs through Triton (and CPU in interpret "
-                f"mode); platform {platform!r} is not supported")
-    if platform in _GPU_PLATFORMS and _is_rocm():
-        return "the Pallas Mamba-3 SISO kernels are only built and tested for CUDA GPUs, not ROCm"
+    reason = triton_platform_reason(platform, "the Pallas Mamba-3 SISO kernels")
+    if reason:
+        return reason
     arrays = [Q, V, Angles] + ([] if initial_states is None else list(initial_states))
     if any(jnp.result_type(x) == jnp.float64 for x in arrays):
         return "float64 inputs are not supported by the Pallas kernels (they compute in float32); use 'reference'"
@@ -64,7 +55,7 @@ def mamba3_siso_scan_pallas(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z
     """The op's implementation signature (see api.py); `config`: a Mamba3ScanConfig or None."""
     from pallas_kernels.mamba3_siso import mamba3_siso_scan_pallas as kernel_scan
 
-    interpret = jax.default_backend() not in _GPU_PLATFORMS
+    interpret = interpret_mode()
     out, final = kernel_scan(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, initial_states, reset,
                              chunk_size=chunk_size, config=config, interpret=interpret)
     return out, Mamba3ScanStates(*final)

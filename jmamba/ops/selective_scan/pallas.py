@@ -13,27 +13,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jmamba.ops.pallas_platform import interpret_mode, triton_platform_reason
 from jmamba.ops.validation import shape_of
 
 # The state of a program is an [n, block_d] float32 tile kept in registers; beyond this it spills.
 MAX_STATE_SIZE = 64
-_GPU_PLATFORMS = ("gpu", "cuda")
-
-
-def _is_rocm() -> bool:
-    try:
-        return "rocm" in jax.devices("gpu")[0].client.platform_version.lower()
-    except Exception:  # no GPU client at all: not ROCm
-        return False
 
 
 def supported(*, platform, u, A, B, initial_state=None, reset=None, **_):
     """None when the Pallas kernel can run this call on `platform`, else the reason in words."""
-    if platform not in _GPU_PLATFORMS + ("cpu",):
-        return (f"the Pallas selective-scan kernel targets CUDA GPUs through Triton (and CPU in interpret "
-                f"mode); platform {platform!r} is not supported")
-    if platform in _GPU_PLATFORMS and _is_rocm():
-        return "the Pallas selective-scan kernel is only built and tested for CUDA GPUs, not ROCm"
+    reason = triton_platform_reason(platform, "the Pallas selective-scan kernel")
+    if reason:
+        return reason
     if jnp.result_type(u) == jnp.float64 or jnp.result_type(A) == jnp.float64:
         return "float64 inputs are not supported by the Pallas kernel (it computes in float32); use 'reference'"
     bsz, seqlen, d = shape_of(u)
@@ -54,7 +45,7 @@ def selective_scan_pallas(u, delta, A, B, C, D, z, delta_bias, initial_state, re
     """The op's implementation signature (see reference.py); `config`: a ScanBlockConfig or None."""
     from pallas_kernels.selective_scan import selective_scan_pallas as kernel_scan
 
-    interpret = jax.default_backend() not in _GPU_PLATFORMS
+    interpret = interpret_mode()
     return kernel_scan(u, delta, A, B, C, D, z, delta_bias, initial_state, reset,
                        delta_softplus=delta_softplus, config=config, interpret=interpret)
 
