@@ -16,3 +16,47 @@ def rel_err(got, want):
 def assert_close(name, got, want, tol):
     err = rel_err(got, want)
     assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.1e}"
+
+
+def perturbed(module, seed=0, scale=0.2):
+    """`module` with every parameter moved away from its init (so D != 1, norms != 1, ...).
+
+    numpy draws: eager jax.random calls compile one program per shape, which is slow on CPU."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, params = nnx.split(module)
+    rng = np.random.default_rng(seed + 100)
+    params = jax.tree.map(lambda p: jnp.asarray(np.asarray(p) + scale * rng.normal(size=p.shape), p.dtype), params)
+    return nnx.merge(graphdef, params)
+
+
+def assert_directional_gradients(loss, args, rng, *, directions=2, h=1e-6, tol=1e-6):
+    """Central differences of `loss(*args)` along random directions of every leaf vs `jax.grad`.
+
+    Run under `jax.enable_x64(True)` with float64 leaves. Returns the number of checks made."""
+    import jax
+    import jax.numpy as jnp
+
+    loss_j = jax.jit(loss)
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))(*args)
+    flat_args, argdef = jax.tree_util.tree_flatten_with_path(tuple(args))
+    flat_grads = jax.tree.leaves(grads)
+    assert all(g.dtype == jnp.float64 for g in flat_grads), "run the check in float64"
+    checked = 0
+    for i, ((path, leaf), g) in enumerate(zip(flat_args, flat_grads)):
+        for _ in range(directions):
+            v = jnp.asarray(rng.normal(size=leaf.shape))
+
+            def at(s):
+                leaves = [a for _, a in flat_args]
+                leaves[i] = leaf + s * v
+                return loss_j(*jax.tree.unflatten(argdef, leaves))
+
+            num = (at(h) - at(-h)) / (2 * h)
+            ana = float(jnp.sum(g * v))
+            assert abs(num - ana) <= tol * max(1.0, abs(ana)), \
+                f"{jax.tree_util.keystr(path)}: finite difference {num:.9g} vs grad {ana:.9g}"
+            checked += 1
+    return checked

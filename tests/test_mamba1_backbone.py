@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 import numpy_mamba1 as npm
-from helpers import assert_close
+from helpers import assert_close, assert_directional_gradients
+from helpers import perturbed as perturb
 from jmamba import Mamba1Backbone, Mamba1Config
 
 CFG = Mamba1Config(d_model=12, n_layers=2, d_state=4, d_conv=4, expand=2, input_dim=5)
@@ -18,12 +19,7 @@ CFG_LM = Mamba1Config(d_model=8, n_layers=2, d_state=3, d_conv=3, dt_rank=3)  # 
 
 def perturbed(cfg, seed=0):
     """A backbone whose every parameter is perturbed (so D != 1, norms != 1, A not the S4D init)."""
-    model = Mamba1Backbone(cfg, rngs=nnx.Rngs(seed))
-    graphdef, params = nnx.split(model)
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.PRNGKey(seed + 100), len(leaves))
-    leaves = [p + 0.2 * jax.random.normal(k, p.shape, p.dtype) for p, k in zip(leaves, keys)]
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    return perturb(Mamba1Backbone(cfg, rngs=nnx.Rngs(seed)), seed)
 
 
 def inputs(cfg, bsz, T, seed=1, dtype=jnp.float32):
@@ -183,24 +179,7 @@ def test_float64_finite_differences_of_every_parameter_input_and_state():
             y, new = nnx.merge(graphdef, params)(x, state, compute_dtype=jnp.float64, truncate_bptt=False)
             return jnp.sum(y * proj) + 0.3 * sum(jnp.sum(jnp.sin(s)) for s in jax.tree.leaves(new))
 
-        loss_j = jax.jit(loss)
-        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(params, x, state)
-        flat_args, argdef = jax.tree_util.tree_flatten_with_path((params, x, state))
-        flat_grads = jax.tree.leaves(grads)
-        rng = np.random.default_rng(4)
-        checked = 0
-        for i, ((path, leaf), g) in enumerate(zip(flat_args, flat_grads)):
-            for _ in range(2):
-                v = jnp.asarray(rng.normal(size=leaf.shape))
-                def at(s):
-                    leaves = [a for _, a in flat_args]
-                    leaves[i] = leaf + s * v
-                    return loss_j(*jax.tree.unflatten(argdef, leaves))
-                num = (at(1e-6) - at(-1e-6)) / 2e-6
-                ana = float(jnp.sum(g * v))
-                assert abs(num - ana) <= 1e-6 * max(1.0, abs(ana)), \
-                    f"{jax.tree_util.keystr(path)}: finite difference {num:.9g} vs grad {ana:.9g}"
-                checked += 1
+        checked = assert_directional_gradients(loss, (params, x, state), np.random.default_rng(4))
         assert checked >= 2 * 20
 
 

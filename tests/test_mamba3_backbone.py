@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 import numpy_mamba3 as npm
-from helpers import assert_close
+from helpers import assert_close, assert_directional_gradients
+from helpers import perturbed as perturb
 from jmamba import Mamba3Backbone, Mamba3Config, TrainState, make_train_step
 
 # G = 2 groups of 2 heads, rope_fraction 0.5 (S = 2 of N/2 = 4 pairs), y·silu(z) gate, input_proj
@@ -26,14 +27,8 @@ CONFIGS = {"gate-groups-input_proj": CFG, "outproj_norm-fullrope": CFG_NORM}
 
 
 def perturbed(cfg, seed=0):
-    """A backbone with every parameter perturbed (biases, norm weights, D no longer their init).
-
-    numpy draws: eager jax.random calls compile one program per shape, which is slow on CPU."""
-    model = Mamba3Backbone(cfg, rngs=nnx.Rngs(seed))
-    graphdef, params = nnx.split(model)
-    rng = np.random.default_rng(seed + 100)
-    params = jax.tree.map(lambda p: jnp.asarray(np.asarray(p) + 0.3 * rng.normal(size=p.shape), p.dtype), params)
-    return nnx.merge(graphdef, params)
+    """A backbone with every parameter perturbed (biases, norm weights, D no longer their init)."""
+    return perturb(Mamba3Backbone(cfg, rngs=nnx.Rngs(seed)), seed, scale=0.3)
 
 
 def inputs(cfg, bsz, T, seed=1):
@@ -183,26 +178,7 @@ def test_float64_finite_differences_of_every_parameter_input_and_state():
             y, new = nnx.merge(graphdef, params)(x, state, reset=reset, compute_dtype=jnp.float64, truncate_bptt=False)
             return jnp.sum(y * proj) + 0.3 * sum(jnp.sum(jnp.sin(s)) for s in jax.tree.leaves(new))
 
-        loss_j = jax.jit(loss)
-        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(params, x, state)
-        flat_args, argdef = jax.tree_util.tree_flatten_with_path((params, x, state))
-        flat_grads = jax.tree.leaves(grads)
-        assert all(g.dtype == jnp.float64 for g in flat_grads)
-        checked = 0
-        for i, ((path, leaf), g) in enumerate(zip(flat_args, flat_grads)):
-            for _ in range(2):
-                v = jnp.asarray(rng.normal(size=leaf.shape))
-
-                def at(s):
-                    leaves = [a for _, a in flat_args]
-                    leaves[i] = leaf + s * v
-                    return loss_j(*jax.tree.unflatten(argdef, leaves))
-
-                num = (at(1e-6) - at(-1e-6)) / 2e-6
-                ana = float(jnp.sum(g * v))
-                assert abs(num - ana) <= 1e-6 * max(1.0, abs(ana)), \
-                    f"{jax.tree_util.keystr(path)}: finite difference {num:.9g} vs grad {ana:.9g}"
-                checked += 1
+        checked = assert_directional_gradients(loss, (params, x, state), rng)
         assert checked == 2 * (2 * 10 + 3 + 1 + 2 * 4)
 
 

@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 
 import numpy_mamba1 as npm
 import numpy_mamba3 as npm3
-from helpers import assert_close
+from helpers import assert_close, perturbed
 from jmamba import Mamba1Backbone, Mamba1Config, Mamba3Backbone, Mamba3Config
 from jmamba.interop.mamba_rs import load_mamba_rs, save_mamba_rs
 
@@ -106,19 +106,11 @@ def test_bad_files(tmp_path, mutate, match):
 CFG3 = Mamba3Config(d_model=16, n_layers=2, d_state=8, headdim=8, ngroups=2, input_dim=5, chunk_size=4)
 
 
-def perturbed3(cfg):
-    model = Mamba3Backbone(cfg, rngs=nnx.Rngs(0))
-    g, p = nnx.split(model)
-    leaves, tdef = jax.tree.flatten(p)
-    keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
-    return nnx.merge(g, jax.tree.unflatten(tdef, [a + 0.1 * jax.random.normal(k, a.shape) for a, k in zip(leaves, keys)]))
-
-
 @pytest.mark.parametrize("outproj_norm", [False, True])
 def test_mamba3_file_layout_checked_against_numpy_and_round_trip(tmp_path, outproj_norm):
     import dataclasses
     cfg = dataclasses.replace(CFG3, is_outproj_norm=outproj_norm)
-    model = perturbed3(cfg)
+    model = perturbed(Mamba3Backbone(cfg, rngs=nnx.Rngs(0)), scale=0.1)
     path = os.path.join(tmp_path, "rs3.safetensors")
     save_mamba_rs(path, nnx.state(model, nnx.Param), cfg)
     t = load_file(path)
