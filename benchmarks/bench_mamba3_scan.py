@@ -53,8 +53,14 @@ ARG_NAMES = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "Angles", "
 # Candidates for `--sweep` (notes_mamba3_scan.md records what a sweep found).
 SWEEP = [
     DEFAULT_CONFIG,
-    dataclasses.replace(DEFAULT_CONFIG, stored_state_dtype="bfloat16"),
+    dataclasses.replace(DEFAULT_CONFIG, stored_state_dtype="float32"),
+    dataclasses.replace(DEFAULT_CONFIG, split_gradient_kernel=False),
     dataclasses.replace(DEFAULT_CONFIG, num_warps_grad=8),
+    dataclasses.replace(DEFAULT_CONFIG, num_warps_chunk=8),
+    dataclasses.replace(DEFAULT_CONFIG, num_warps_qk=8),
+    dataclasses.replace(DEFAULT_CONFIG, qk_block_rows=16),
+    dataclasses.replace(DEFAULT_CONFIG, qk_block_rows=64),
+    dataclasses.replace(DEFAULT_CONFIG, state_block_p=32),
     dataclasses.replace(DEFAULT_CONFIG, max_chunk=32),
 ]
 
@@ -160,9 +166,10 @@ def stage_breakdown(shape, dims, chunk, config, iters, interpret, workers):
     """Times each launch of the Pallas forward and backward on its own: [(stage, (median, min, max))].
 
     Every stage is lowered from abstract shapes and compiled in parallel first, then run in order,
-    each feeding the next (XLA's group sums are the part of the backward outside the kernels).
+    each feeding the next. The XLA stages are the glue before the kernels, the per-head query/key
+    operands, and their VJP in the backward (which recomputes them).
     """
-    from pallas_kernels.mamba3_siso import chunk_backward, chunk_forward, core, scan, state_passes
+    from pallas_kernels.mamba3_siso import chunk_backward, chunk_forward, core, qk_gradients, scan, state_passes
 
     a = make_args(*shape, dims)
     H = dims["H"]
@@ -173,53 +180,70 @@ def stage_breakdown(shape, dims, chunk, config, iters, interpret, workers):
         return scan.prepare(*x, None, chunk_size=chunk, config=config, interpret=interpret)[1]
 
     geo = scan.prepare(*inputs, None, chunk_size=chunk, config=config, interpret=interpret)[0]
-    names = geo.part_names
 
-    def fwd_local(args):
-        return state_passes.chunk_contributions(geo, core._operands(geo, *args), adjoint=False)
+    def operands(args, qk, d_out=None):   # args: Q, K, Q_bias, K_bias, scale, theta, v, z, adt, skip, s0
+        return core.kernel_operands(geo, *qk, *args[6:10], s0=args[10], d_out=d_out)
+
+    def queries_keys(args):
+        return core.kernel_queries_keys(geo, *args[:6])
+
+    def fwd_local(args, qk):
+        return state_passes.chunk_contributions(geo, operands(args, qk), adjoint=False)
 
     def fwd_combine(args, local):
-        return state_passes.combine_chunks(geo, local, state_passes.chunk_decays(geo, args[6]),
-                                           dict(zip(names, args[-1])), reverse=False)[0]
+        return state_passes.combine_chunks(geo, local, state_passes.chunk_decays(geo, args[8]), args[10],
+                                           reverse=False)[0]
 
-    def fwd_chunks(args, entering):
-        return chunk_forward.chunk_outputs(geo, core._operands(geo, *args), entering)
+    def fwd_chunks(args, qk, entering):
+        return chunk_forward.chunk_outputs(geo, operands(args, qk), entering)
 
-    def bwd_local(args, d_out):
-        return state_passes.chunk_contributions(geo, core._operands(geo, *args, d_out=d_out), adjoint=True)
+    def bwd_local(args, qk, d_out):
+        return state_passes.chunk_contributions(geo, operands(args, qk, d_out), adjoint=True)
 
     def bwd_combine(args, local):
-        zeros = {n: jnp.zeros_like(x) for n, x in zip(names, args[-1])}
-        return state_passes.combine_chunks(geo, local, state_passes.chunk_decays(geo, args[6]), zeros,
-                                           reverse=True)[0]
+        return state_passes.combine_chunks(geo, local, state_passes.chunk_decays(geo, args[8]),
+                                           jnp.zeros_like(args[10]), reverse=True)[0]
 
-    def bwd_chunks(args, d_out, entering, leaving):
-        return chunk_backward.chunk_gradients(geo, core._operands(geo, *args, d_out=d_out), entering, leaving)
+    def bwd_chunks(args, qk, d_out, entering, leaving):
+        return chunk_backward.chunk_gradients(geo, operands(args, qk, d_out), entering, leaving)
 
-    def group_sums(g):
-        return [g[k].reshape(g[k].shape[:2] + (geo.groups, -1, g[k].shape[-1])).sum(3)
-                for k in g if k.startswith(("dq_", "dk_"))]
+    def qk_grads(args, grads):
+        return qk_gradients.query_key_gradients(geo, *args[:6], grads["dq"], grads["dk"])
 
-    stages = [("prep (XLA, before the kernels)", prep, lambda r: inputs),
-              ("fwd 1: chunk states", fwd_local, lambda r: (r["args"],)),
+    def glue_backward(cotangents):   # the VJP of prep (XLA): from the core's cotangents to the op's
+        primals, vjp = jax.vjp(prep, *inputs)
+        return vjp(tuple(None if c is None else c.astype(p.dtype) for c, p in zip(cotangents, primals)))
+
+    def core_cotangents(args, qk_g, grads, d_initial):
+        return tuple(qk_g) + (grads["dv"], grads.get("dz"), grads["d_adt"], grads["d_skip"], d_initial)
+
+    stages = [("prep (XLA, before the core)", prep, lambda r: inputs),
+              ("fwd 0: per-head q, k̃ (XLA)", queries_keys, lambda r: (r["args"],)),
+              ("fwd 1: chunk states", fwd_local, lambda r: (r["args"], r["qk"])),
               ("fwd 2: state combine", fwd_combine, lambda r: (r["args"], r["fwd_local"])),
-              ("fwd 3: chunk outputs", fwd_chunks, lambda r: (r["args"], r["entering"])),
-              ("bwd 1: chunk adjoints", bwd_local, lambda r: (r["args"], r["d_out"])),
+              ("fwd 3: chunk outputs", fwd_chunks, lambda r: (r["args"], r["qk"], r["entering"])),
+              ("bwd 1: chunk adjoints", bwd_local, lambda r: (r["args"], r["qk"], r["d_out"])),
               ("bwd 2: adjoint combine", bwd_combine, lambda r: (r["args"], r["bwd_local"])),
-              ("bwd 3: chunk gradients", bwd_chunks, lambda r: (r["args"], r["d_out"], r["entering"], r["leaving"])),
-              ("bwd 4: XLA group sums", group_sums, lambda r: (r["grads"],))]
+              ("bwd 3: chunk gradients", bwd_chunks,
+               lambda r: (r["args"], r["qk"], r["d_out"], r["entering"], r["leaving"])),
+              ("bwd 4: query/key gradients", qk_grads, lambda r: (r["args"], r["grads"])),
+              ("bwd 5: glue backward (XLA: the VJP of prep, which it recomputes)", glue_backward,
+               lambda r: (core_cotangents(r["args"], r["qk_g"], r["grads"], r["args"][10]),))]
     # abstract values of every intermediate, so that all stages can be lowered before any runs
     shapes = {"args": jax.eval_shape(prep, *inputs)}
-    shapes["d_out"] = jax.ShapeDtypeStruct(shapes["args"][4].shape, shapes["args"][4].dtype)
-    shapes["fwd_local"] = jax.eval_shape(fwd_local, shapes["args"])
+    shapes["d_out"] = jax.ShapeDtypeStruct(shapes["args"][6].shape, shapes["args"][6].dtype)
+    shapes["qk"] = jax.eval_shape(queries_keys, shapes["args"])
+    shapes["fwd_local"] = jax.eval_shape(fwd_local, shapes["args"], shapes["qk"])
     shapes["entering"] = jax.eval_shape(fwd_combine, shapes["args"], shapes["fwd_local"])
-    shapes["bwd_local"] = jax.eval_shape(bwd_local, shapes["args"], shapes["d_out"])
+    shapes["bwd_local"] = jax.eval_shape(bwd_local, shapes["args"], shapes["qk"], shapes["d_out"])
     shapes["leaving"] = jax.eval_shape(bwd_combine, shapes["args"], shapes["bwd_local"])
-    shapes["grads"] = jax.eval_shape(bwd_chunks, shapes["args"], shapes["d_out"], shapes["entering"], shapes["leaving"])
+    shapes["grads"] = jax.eval_shape(bwd_chunks, shapes["args"], shapes["qk"], shapes["d_out"], shapes["entering"],
+                                     shapes["leaving"])
+    shapes["qk_g"] = jax.eval_shape(qk_grads, shapes["args"], shapes["grads"])
     compiled = compile_all({name: (fn, get(shapes)) for name, fn, get in stages}, workers)
 
     real = {"d_out": jnp.asarray(np.random.default_rng(7).normal(size=shapes["d_out"].shape), shapes["d_out"].dtype)}
-    produces = ("args", "fwd_local", "entering", None, "bwd_local", "leaving", "grads", None)   # fed to later stages
+    produces = ("args", "qk", "fwd_local", "entering", None, "bwd_local", "leaving", "grads", "qk_g", None)
     out = []
     for (name, _, get), key in zip(stages, produces):
         c = compiled[name]
@@ -246,7 +270,8 @@ def fmt_time(t):
 def _short(cfg):
     return (f"chunk<={cfg.max_chunk} combine-rows{cfg.state_block_p} warps combine/local/out/grad "
             f"{cfg.num_warps_state}/{cfg.num_warps_local}/{cfg.num_warps_chunk}/{cfg.num_warps_grad} "
-            f"stages{cfg.num_stages} states-{cfg.stored_state_dtype}")
+            f"stages{cfg.num_stages} states-{cfg.stored_state_dtype} "
+            f"{'two' if cfg.split_gradient_kernel else 'one'}-grad-kernel qk-rows{cfg.qk_block_rows}-warps{cfg.num_warps_qk}")
 
 
 def main(argv=None):

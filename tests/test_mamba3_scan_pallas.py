@@ -159,6 +159,15 @@ def test_bf16_stored_states_stay_close_to_reference():
     check_against_reference(arrays, states, 16, 2e-2, Mamba3ScanConfig(stored_state_dtype="bfloat16"))
 
 
+@pytest.mark.parametrize("with_z,split", [(True, False), (False, False), (False, True)],
+                         ids=["z-one-kernel", "no-z-one-kernel", "no-z-split"])
+def test_one_or_two_gradient_kernels_match_reference(with_z, split):
+    """dQ in its own launch (config.split_gradient_kernel, the default) or not: the same gradients, from
+    the two formulas for ⟨dY_i, Q_i S_cᵀ⟩ in dADT."""
+    arrays, states = make_inputs((2, 37, 4, 2, 8, 3, 2), jnp.float32, with_z=with_z, seed=6)
+    check_against_reference(arrays, states, 16, 2e-5, Mamba3ScanConfig(split_gradient_kernel=split, qk_block_rows=16))
+
+
 def test_vmap_jit_and_checkpoint_gradients_match_reference():
     """vmap prepends a grid axis to every pallas_call (the 1-D grids keep that within Triton's three);
     jax.checkpoint re-runs the forward kernels inside the backward."""
@@ -201,7 +210,7 @@ def test_explicit_pallas_through_the_op_with_shared_angles():
 
 
 # ------------------------------------------------------------------------------- abstract H200 lowering
-def _lower_for_h200(shape, dtype, *, with_z=True):
+def _lower_for_h200(shape, dtype, *, with_z=True, config=None):
     """Traces forward+backward and lowers it for an abstract H200: runs the Pallas->Triton lowering."""
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
@@ -212,7 +221,8 @@ def _lower_for_h200(shape, dtype, *, with_z=True):
 
     def loss(vals, states):
         kw = dict(zip(present, vals))
-        out, final = mamba3_siso_scan_pallas(*[kw.get(k) for k in ARRAYS], states, None, chunk_size=64)
+        out, final = mamba3_siso_scan_pallas(*[kw.get(k) for k in ARRAYS], states, None, chunk_size=64,
+                                             config=config)
         return jnp.sum(out.astype(jnp.float32)) + sum(jnp.sum(x) for x in final)
 
     device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
@@ -231,8 +241,14 @@ def _lower_for_h200(shape, dtype, *, with_z=True):
 def test_kernels_lower_to_triton_for_h200(shape, dtype, with_z):
     text = _lower_for_h200(shape, dtype, with_z=with_z)
     # forward: chunk states, state combine, chunk outputs; backward: chunk adjoints, adjoint combine,
-    # chunk gradients
-    assert text.count("__gpu$xla.gpu.triton") == 6
+    # chunk gradients (two launches by default), query/key gradients
+    assert text.count("__gpu$xla.gpu.triton") == 8
+
+
+def test_one_gradient_kernel_lowers_for_h200():
+    config = Mamba3ScanConfig(split_gradient_kernel=False, stored_state_dtype="float32", num_warps_grad=8)
+    text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
+    assert text.count("__gpu$xla.gpu.triton") == 7
 
 
 def test_abstract_lowering_rejects_what_triton_cannot_lower():
@@ -302,6 +318,7 @@ def test_kernel_refuses_a_reset_mask_and_a_bad_config():
 
 
 @pytest.mark.parametrize("field,value", [("state_block_p", 12), ("num_warps_grad", 0), ("min_width", 24),
+                                         ("split_gradient_kernel", 1), ("num_warps_qk", 3),
                                          ("num_stages", 0), ("max_chunk", 96), ("stored_state_dtype", "float16")])
 def test_bad_config_raises_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -314,8 +331,9 @@ def test_chunk_size_is_rounded_to_a_power_of_two_the_dots_accept():
     assert chunk_length(64, 20, cfg) == 32        # no longer than the sequence needs
     geo = make_geometry(batch=1, seqlen=50, heads=6, groups=3, headdim=20, d_state=7, num_angles=1, chunk_size=5,
                         has_z=False, matmul_dtype=jnp.float32, io_dtype=jnp.float32)
-    assert (geo.chunk, geo.padded_seqlen, geo.padded_headdim, geo.angle_width, geo.rest_width) == (16, 64, 32, 16, 16)
-    assert geo.part_names == ("even", "odd", "rest")
+    assert (geo.chunk, geo.padded_seqlen, geo.padded_headdim) == (16, 64, 32)
+    # d_state 7 with one rotated pair: even | odd | rest pieces of 8 columns each, padded to 32
+    assert geo.pieces == (("even", 0, 8), ("odd", 8, 8), ("rest", 16, 8)) and geo.padded_state == 32
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -334,6 +352,17 @@ GPU_CASES = [
 def test_gpu_values_and_cotangents_match_reference(shape, dtype, options, chunk_size, tol):
     arrays, states = make_inputs(shape, dtype, **options)
     check_against_reference(arrays, states, chunk_size, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_z", [True, False], ids=["z", "no-z"])
+def test_gpu_other_kernel_variants_match_reference(with_z):
+    """The non-default launch variants a sweep may pick: one gradient kernel, float32 stored states,
+    8 warps, 64-row query/key gradient programs."""
+    config = Mamba3ScanConfig(split_gradient_kernel=False, stored_state_dtype="float32", num_warps_grad=8,
+                              num_warps_chunk=8, qk_block_rows=64, num_warps_qk=8)
+    arrays, states = make_inputs((3, 1000, 8, 2, 128, 64, 32), jnp.bfloat16, with_z=with_z, seed=8)
+    check_against_reference(arrays, states, 64, 2.5e-2, config)
 
 
 @pytest.mark.gpu

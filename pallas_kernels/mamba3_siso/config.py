@@ -8,14 +8,18 @@ The chunk length is not a field of `Mamba3ScanConfig`: it is the op's `chunk_siz
 by `chunk_length` to a power of two the Triton dots accept (a tuning knob; the result changes only by
 rounding).
 
-Layout of d_state (see `layout.py`): the N dims of q, k and the state are split into up to three
-"parts", each padded to a power of two of at least `min_width` columns (Triton's `tl.dot` needs
-every dimension >= 16):
-  even  [Sp]  dims 0, 2, ..., 2S-2   (first element of each rotated pair)
-  odd   [Sp]  dims 1, 3, ..., 2S-1   (second element of each rotated pair)
-  rest  [Rp]  dims 2S .. N-1         (not rotated)
-so the RoPE rotation of pair a is elementwise between column a of `even` and of `odd`, and no
-kernel ever slices or interleaves a loaded tile.
+Padding: headdim P is padded with zeros to a power of two of at least `min_width` (Triton's `tl.dot`
+needs every dimension >= 16): Pp.
+
+Kernel layout of d_state: the N dims of queries, keys and states are permuted into three contiguous
+pieces, each zero-padded to a power of two,
+  even  [Sp]  dims 0, 2, ..., 2S-2   (first element of each rotated pair)     columns [0, Sp)
+  odd   [Sp]  dims 1, 3, ..., 2S-1   (second element of each rotated pair)    columns [Sp, 2Sp)
+  rest  [Rp]  dims 2S .. N-1         (not rotated)                            columns [2Sp, 2Sp + Rp)
+then zero-padded to Np (a power of two >= min_width). Dot products over d_state do not depend on the
+order of its dims, so the chunk kernels use the whole [.., Np] tile; the RoPE rotation of pair a is
+elementwise between column a of `even` and of `odd`, which the query/key gradient kernel loads as
+separate column blocks of its refs (no kernel slices a loaded value).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ def _is_power_of_2(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and not x & (x - 1)
 
 
-STORED_STATE_DTYPES = ("float32", "bfloat16")
+STORED_STATE_DTYPES = ("float32", "bfloat16", "dot_operand")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,28 +50,38 @@ class Mamba3ScanConfig:
       num_warps_state: Triton warps of the chunk combines.
       num_warps_local: Triton warps of the per-chunk state / adjoint contribution kernels.
       num_warps_chunk: Triton warps of the forward chunk-output kernel.
-      num_warps_grad: Triton warps of the backward chunk-gradient kernel.
+      num_warps_grad: Triton warps of the backward chunk-gradient kernel(s).
+      num_warps_qk: Triton warps of the query/key gradient kernel.
+      qk_block_rows: positions per program of the query/key gradient kernel (at most the chunk).
+      split_gradient_kernel: compute dQ in a second, light launch (recomputing A = dY·Vᵀ) instead of
+        in the chunk-gradient kernel: fewer live tiles per program, one more launch.
       num_stages: Triton software-pipelining depth of every kernel.
-      min_width: smallest width of a d_state part or of headdim (tl.dot needs dims >= 16).
+      min_width: smallest padded d_state or headdim (tl.dot needs dims >= 16).
       min_chunk, max_chunk: the range the op's chunk_size is clamped to (powers of two).
-      stored_state_dtype: dtype of the chunk-boundary states kept between launches ("float32", or
-        "bfloat16" as the official kernel stores them); the running states are float32 either way.
+      stored_state_dtype: dtype of the per-chunk states and adjoints kept between launches ("float32",
+        "bfloat16" as the official kernel stores them, or "dot_operand": the dtype the chunk kernels
+        round them to for their dots anyway, i.e. bf16/f16 for 16-bit activations and float32 for
+        float32 ones). The running states, the chunks' contributions and the final state are float32
+        either way; only ⟨S_c, dS_c⟩ in dADT reads the stored states outside a dot.
     """
 
     state_block_p: int = 16
     num_warps_state: int = 4
     num_warps_local: int = 4
-    num_warps_chunk: int = 8
+    num_warps_chunk: int = 4
     num_warps_grad: int = 4
+    split_gradient_kernel: bool = True
+    num_warps_qk: int = 4
+    qk_block_rows: int = 32
     num_stages: int = 1
     min_width: int = 16
     min_chunk: int = 16
     max_chunk: int = 128
-    stored_state_dtype: str = "float32"
+    stored_state_dtype: str = "dot_operand"
 
     def validate(self) -> "Mamba3ScanConfig":
         for name in ("state_block_p", "num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad",
-                     "min_width", "min_chunk", "max_chunk"):
+                     "num_warps_qk", "qk_block_rows", "min_width", "min_chunk", "max_chunk"):
             v = getattr(self, name)
             if not _is_power_of_2(v):
                 raise ValueError(f"Mamba3ScanConfig.{name} must be a positive power of two, got {v!r}")
@@ -75,6 +89,9 @@ class Mamba3ScanConfig:
             raise ValueError(f"Mamba3ScanConfig.min_chunk ({self.min_chunk}) must be <= max_chunk ({self.max_chunk})")
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"Mamba3ScanConfig.num_stages must be a positive int, got {self.num_stages!r}")
+        if not isinstance(self.split_gradient_kernel, bool):
+            raise ValueError(f"Mamba3ScanConfig.split_gradient_kernel must be a bool, "
+                             f"got {self.split_gradient_kernel!r}")
         if self.stored_state_dtype not in STORED_STATE_DTYPES:
             raise ValueError(f"Mamba3ScanConfig.stored_state_dtype must be one of {STORED_STATE_DTYPES}, "
                              f"got {self.stored_state_dtype!r}")
@@ -102,9 +119,10 @@ class ScanGeometry:
     Attributes:
       batch, seqlen, heads, groups, headdim, d_state, num_angles: the call's Bt, T, H, G, P, N, S.
       chunk: chunk length L (power of two); padded_seqlen: T rounded up to a multiple of L.
-      padded_headdim: P rounded up to a power of two >= min_width.
-      angle_width: Sp, the padded width of the even/odd parts (0 when S = 0).
-      rest_width: Rp, the padded width of the unrotated part (0 when N = 2S).
+      padded_headdim: Pp, P rounded up to a power of two >= min_width.
+      angle_width: Sp, the padded width of the even / odd pieces (0 when S = 0).
+      rest_width: Rp, the padded width of the unrotated piece (0 when N = 2S).
+      padded_state: Np, 2·Sp + Rp rounded up to a power of two >= min_width.
       has_z: the output is gated by silu(Z).
       matmul_dtype: operand dtype of the in-kernel dots ("bfloat16"/"float16" for 16-bit
         activations: tensor cores with float32 accumulation; "float32": exact float32 dots).
@@ -125,6 +143,7 @@ class ScanGeometry:
     padded_headdim: int
     angle_width: int
     rest_width: int
+    padded_state: int
     has_z: bool
     matmul_dtype: str
     io_dtype: str
@@ -141,21 +160,19 @@ class ScanGeometry:
 
     @property
     def has_angles(self) -> bool:
-        return self.angle_width > 0
+        return self.num_angles > 0
 
     @property
-    def parts(self) -> tuple[tuple[str, int], ...]:
-        """(name, padded width) of the d_state parts present, in layout order."""
-        out = []
-        if self.angle_width:
-            out += [("even", self.angle_width), ("odd", self.angle_width)]
-        if self.rest_width:
-            out.append(("rest", self.rest_width))
-        return tuple(out)
+    def pieces(self) -> tuple[tuple[str, int, int], ...]:
+        """(name, first column, width) of the d_state pieces present in the kernel layout."""
+        Sp, Rp = self.angle_width, self.rest_width
+        out = [("even", 0, Sp), ("odd", Sp, Sp)] if Sp else []
+        return tuple(out + ([("rest", 2 * Sp, Rp)] if Rp else []))
 
     @property
-    def part_names(self) -> tuple[str, ...]:
-        return tuple(name for name, _ in self.parts)
+    def qk_rows(self) -> int:
+        """Rows (positions) per program of the query/key gradient kernel."""
+        return min(self.config.qk_block_rows, self.chunk)
 
     @property
     def state_block_p(self) -> int:
@@ -163,7 +180,8 @@ class ScanGeometry:
 
     @property
     def stored_state_dtype(self):
-        return jnp.dtype(self.config.stored_state_dtype)
+        stored = self.config.stored_state_dtype
+        return jnp.dtype(self.matmul_dtype if stored == "dot_operand" else stored)
 
 
 def make_geometry(*, batch, seqlen, heads, groups, headdim, d_state, num_angles, chunk_size, has_z,
@@ -175,12 +193,15 @@ def make_geometry(*, batch, seqlen, heads, groups, headdim, d_state, num_angles,
     cfg = (config or DEFAULT_CONFIG).validate()
     L = chunk_length(chunk_size, seqlen, cfg)
 
-    def width(n):
-        return 0 if n == 0 else max(cfg.min_width, next_power_of_2(n))
+    def width(n, least=cfg.min_width):
+        return 0 if n == 0 else max(least, next_power_of_2(n))
+
+    angle_width, rest_width = width(num_angles, 8), width(d_state - 2 * num_angles, 8)
 
     return ScanGeometry(
         batch=batch, seqlen=seqlen, heads=heads, groups=groups, headdim=headdim, d_state=d_state,
         num_angles=num_angles, chunk=L, padded_seqlen=-(-seqlen // L) * L,
-        padded_headdim=width(headdim), angle_width=width(num_angles), rest_width=width(d_state - 2 * num_angles),
+        padded_headdim=width(headdim), angle_width=angle_width, rest_width=rest_width,
+        padded_state=width(2 * angle_width + rest_width),
         has_z=bool(has_z), matmul_dtype=jnp.dtype(matmul_dtype).name, io_dtype=jnp.dtype(io_dtype).name,
         config=cfg, interpret=bool(interpret))

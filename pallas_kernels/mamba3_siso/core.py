@@ -1,20 +1,21 @@
-"""The chunked Mamba-3 SISO core behind one `jax.custom_vjp`: two kernels forward, two backward.
+"""The chunked Mamba-3 SISO core behind one `jax.custom_vjp`: three kernels forward, four backward.
 
 What the core computes (everything around it, elementwise or small, is plain JAX in scan.py and
-differentiated by JAX): for the padded, permuted operands of layout.py,
+differentiated by JAX): for the padded operands in the kernel layout of config.py,
 
-    out, S_final = core(q, k, q_bias, k_bias, v, z, adt, scale, skip, inc, theta, S_0)
+    out, S_final = core(Q, K, Q_bias, K_bias, scale, theta, v, z, adt, skip, S_0)
 
-  forward   state_passes.forward_state_pass   -> states entering every chunk, S_final
-            chunk_forward.chunk_outputs       -> out
-  backward  state_passes.adjoint_state_pass   -> adjoints leaving every chunk, dS_0
-            chunk_backward.chunk_gradients    -> per-chunk gradients
-            then XLA sums the per-head dq̄ / dk̄ over the heads of each group (→ dq, dk) and their
-            per-chunk sums over (batch, chunk) (→ the bias gradients), in a fixed order
-            (deterministic; no atomics).
+  forward   queries_keys.head_queries_keys    -> per-head q, k̃ in the dot operand dtype (XLA)
+            state_passes.forward_state_pass   -> states entering every chunk, S_final  (2 kernels)
+            chunk_forward.chunk_outputs       -> out                                   (1 kernel)
+  backward  state_passes.adjoint_state_pass   -> adjoints leaving every chunk, dS_0    (2 kernels)
+            chunk_backward.chunk_gradients    -> dq, dk̃, dV, dZ, dADT, dskip            (1 kernel, or 2)
+            qk_gradients.query_key_gradients  -> dQ, dK, bias, scale and angle gradients (1 kernel)
+  Partial sums (bias gradients over position blocks) are reduced by XLA in a fixed order:
+  deterministic, no atomics.
 
-Residuals: the inputs and the states entering every chunk ([Bt, H, nc, Pp, N] in
-`config.stored_state_dtype`); the backward never calls the forward kernels' VJP.
+Residuals: the inputs, the per-head q, k̃ (dot operand dtype, [Bt, Tp, H, Np]) and the states
+entering every chunk ([Bt, H, nc, Pp, Np]); the backward never calls the forward kernels' VJP.
 """
 
 from __future__ import annotations
@@ -26,76 +27,67 @@ import jax.numpy as jnp
 
 from pallas_kernels.mamba3_siso import chunk_backward, chunk_forward, state_passes
 from pallas_kernels.mamba3_siso.config import ScanGeometry
+from pallas_kernels.mamba3_siso.qk_gradients import query_key_gradients
+from pallas_kernels.mamba3_siso.queries_keys import head_queries_keys
 
 F32 = jnp.float32
 
 
-def _operands(geo: ScanGeometry, q, k, q_bias, k_bias, v, z, adt, scale, skip, inc, theta, s0=None, d_out=None):
-    ops = dict(v=v, z=z, adt=adt, scale=scale, skip=skip, inc=inc, theta=theta, d_out=d_out)
-    for i, name in enumerate(geo.part_names):
-        ops[f"q_{name}"], ops[f"k_{name}"] = q[i], k[i]
-        ops[f"qb_{name}"], ops[f"kb_{name}"] = q_bias[i], k_bias[i]
-        if s0 is not None:
-            ops[f"s0_{name}"] = s0[i]
-    return ops
+def kernel_queries_keys(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta):
+    """(q, k̃) [Bt, Tp, H, Np] rounded to the dot operand dtype (see queries_keys.py)."""
+    mm = jnp.dtype(geo.matmul_dtype)
+    q, k = head_queries_keys(geo, Q, K, Q_bias, K_bias, scale, theta)
+    return q.astype(mm), k.astype(mm)
+
+
+def kernel_operands(geo: ScanGeometry, q, k, v, z, adt, skip, s0=None, d_out=None):
+    """The dict of arrays the kernels read."""
+    return dict(q=q, k=k, v=v, z=z, adt=adt, skip=skip, s0=s0, d_out=d_out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def chunked_core(geo: ScanGeometry, q, k, q_bias, k_bias, v, z, adt, scale, skip, inc, theta, s0):
-    """The chunked scan on kernel layouts (layout.py).
+def chunked_core(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta, v, z, adt, skip, s0):
+    """The chunked scan on kernel layouts (config.py, layout.py).
 
     Args:
       geo: the static ScanGeometry.
-      q, k: tuples (one per part) of [Bt, Tp, G, w] in the activation dtype.
-      q_bias, k_bias: tuples of [H, w] float32.
+      Q, K: [Bt, Tp, G, Np] in the activation dtype; Q_bias, K_bias: [H, Np] float32.
+      scale: [Bt, Tp, H] float32 s = γ + σ̂; theta: [Bt, Tp, H, Sp] float32 wrapped angle at each
+        position, or None (no angles).
       v: [Bt, Tp, H, Pp]; z: [Bt, Tp, H, Pp] or None.
-      adt, scale, skip: [Bt, H, Tp] float32 (ADT, s = γ + σ̂, D + γ⟨q̄, k̄⟩).
-      inc: [Bt, H, Tp, Sp] float32 angle increments, theta: [Bt, H, nc, Sp] float32 angle entering
-        each chunk (both None when there are no angles).
-      s0: tuple of [Bt, H, Pp, w] float32, the augmented initial state.
+      adt, skip: [Bt, H, Tp] float32 (ADT, D + γ⟨q̄, k̄⟩).
+      s0: [Bt, H, Pp, Np] float32, the augmented initial state.
 
     Returns:
-      (out [Bt, Tp, H, Pp] in v.dtype, tuple of [Bt, H, Pp, w] float32 final state parts).
+      (out [Bt, Tp, H, Pp] in v.dtype, final state [Bt, H, Pp, Np] float32).
     """
-    out, final, _ = _forward(geo, q, k, q_bias, k_bias, v, z, adt, scale, skip, inc, theta, s0)
+    out, final, _ = _forward(geo, Q, K, Q_bias, K_bias, scale, theta, v, z, adt, skip, s0)
     return out, final
 
 
-def _forward(geo, q, k, q_bias, k_bias, v, z, adt, scale, skip, inc, theta, s0):
-    ops = _operands(geo, q, k, q_bias, k_bias, v, z, adt, scale, skip, inc, theta, s0)
+def _forward(geo, Q, K, Q_bias, K_bias, scale, theta, v, z, adt, skip, s0):
+    q, k = kernel_queries_keys(geo, Q, K, Q_bias, K_bias, scale, theta)
+    ops = kernel_operands(geo, q, k, v, z, adt, skip, s0=s0)
     entering, final = state_passes.forward_state_pass(geo, ops)
     out = chunk_forward.chunk_outputs(geo, ops, entering)
-    return out, tuple(final[n] for n in geo.part_names), entering
+    return out, final, (q, k, entering)
 
 
-def _core_fwd(geo, q, k, q_bias, k_bias, v, z, adt, scale, skip, inc, theta, s0):
-    out, final, entering = _forward(geo, q, k, q_bias, k_bias, v, z, adt, scale, skip, inc, theta, s0)
-    return (out, final), (q, k, q_bias, k_bias, v, z, adt, scale, skip, inc, theta, entering)
+def _core_fwd(geo, Q, K, Q_bias, K_bias, scale, theta, v, z, adt, skip, s0):
+    out, final, (q, k, entering) = _forward(geo, Q, K, Q_bias, K_bias, scale, theta, v, z, adt, skip, s0)
+    return (out, final), (Q, K, Q_bias, K_bias, scale, theta, q, k, v, z, adt, skip, entering)
 
 
 def _core_bwd(geo, residuals, cotangents):
-    q, k, q_bias, k_bias, v, z, adt, scale, skip, inc, theta, entering = residuals
+    Q, K, Q_bias, K_bias, scale, theta, q, k, v, z, adt, skip, entering = residuals
     d_out, d_final = cotangents
-    names = geo.part_names
-    ops = _operands(geo, q, k, q_bias, k_bias, v, z, adt, scale, skip, inc, theta, d_out=d_out.astype(v.dtype))
-    leaving, d_initial = state_passes.adjoint_state_pass(
-        geo, ops, {n: d.astype(F32) for n, d in zip(names, d_final)})
+    ops = kernel_operands(geo, q, k, v, z, adt, skip, d_out=d_out.astype(v.dtype))
+    leaving, d_initial = state_passes.adjoint_state_pass(geo, ops, d_final.astype(F32))
     g = chunk_backward.chunk_gradients(geo, ops, entering, leaving)
-
-    def group_sum(per_head, like):  # [Bt, Tp, H, w] -> [Bt, Tp, G, w]
-        bsz, tp, H, w = per_head.shape
-        return per_head.reshape(bsz, tp, geo.groups, H // geo.groups, w).sum(axis=3).astype(like.dtype)
-
-    dq = tuple(group_sum(g[f"dq_{n}"], x) for n, x in zip(names, q))
-    dk = tuple(group_sum(g[f"dk_{n}"], x) for n, x in zip(names, k))
-    dq_bias = tuple(g[f"dqb_{n}"].sum(axis=(0, 2)) for n in names)
-    dk_bias = tuple(g[f"dkb_{n}"].sum(axis=(0, 2)) for n in names)
-    d_inc = d_theta = None
-    if geo.has_angles:
-        d_inc = g["d_inc"]
-        d_theta = d_inc[:, :, ::geo.chunk]          # dθ_entry of chunk c = the in-chunk suffix sum at its start
-    return (dq, dk, dq_bias, dk_bias, g["dv"], g.get("dz"), g["d_adt"], g["d_scale"], g["d_skip"], d_inc, d_theta,
-            tuple(d_initial[n] for n in names))
+    dQ, dK, dQ_bias, dK_bias, d_scale, d_theta = query_key_gradients(
+        geo, Q, K, Q_bias, K_bias, scale, theta, g["dq"], g["dk"])
+    return (dQ.astype(Q.dtype), dK.astype(K.dtype), dQ_bias, dK_bias, d_scale, d_theta, g["dv"], g.get("dz"),
+            g["d_adt"], g["d_skip"], d_initial)
 
 
 chunked_core.defvjp(_core_fwd, _core_bwd)

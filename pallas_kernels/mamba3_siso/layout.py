@@ -1,26 +1,21 @@
 """HBM layouts, program grids and block specs of the Mamba-3 SISO kernels: how each array is cut.
 
-The arrays the kernels see are already padded and permuted by `scan.py`: T is a multiple of the
-chunk L, headdim is Pp, and d_state is split into parts (config.py) whose widths are powers of two.
+The arrays the kernels see are already padded by `scan.py`: T is a multiple of the chunk L, headdim
+is Pp and d_state Np (powers of two), and the queries / keys are per head, biased, rotated and (keys)
+scaled, in the dot operand dtype.
 
-Layouts (HBM); `w` is the width of one d_state part:
-  group rows     [Bt, Tp, G, w]       one d_state part of Q or K (input dtype)
-  head rows      [Bt, Tp, H, Pp]      V, Z, out, d_out, dV, dZ
-  head parts     [Bt, Tp, H, w]       per-head gradients of the biased queries / keys (float32)
-  biases         [H, w]               one part of Q_bias / K_bias (float32)
-  sequences      [Bt, H, Tp]          ADT, scale s, skip D + δ and their gradients (float32)
-  angle rows     [Bt, H, Tp, Sp]      RoPE angle increments π·tanh(angles)·DT and their gradients
-  chunk angles   [Bt, H, nc, Sp]      the (wrapped) angle entering each chunk
-  chunk vectors  [Bt, H, nc, w]       per-chunk partial sums of the bias gradients (float32)
-  chunk states   [Bt, H, nc, Pp, w]   one part of a per-chunk state: a chunk's own contribution, the
-                                      state entering it (forward) or the adjoint leaving it (backward)
+Layouts (HBM):
+  head rows      [Bt, Tp, H, w]       w = Np: queries q, keys k̃ and their float32 gradients;
+                                      w = Pp: V, Z, out, d_out, dV, dZ
+  sequences      [Bt, H, Tp]          ADT, skip D + γ⟨q̄, k̄⟩ and their gradients (float32)
+  chunk states   [Bt, H, nc, Pp, Np]  a per-chunk state: a chunk's own contribution, the state entering
+                                      it (forward) or the adjoint of the state leaving it (backward)
   chunk scalars  [Bt, H, nc]          e^{Σ ADT} of each chunk (float32)
-  states         [Bt, H, Pp, w]       one part of the initial / final state (float32)
+  states         [Bt, H, Pp, Np]      the initial / final state and their adjoints (float32)
 
 Grids are flattened to one axis, so that every `vmap` of a `pallas_call` (which prepends a grid axis)
 still fits Triton's three:
-  chunk grid  program (b, c, h), h fastest: the H programs of one (b, c) read the same group rows,
-              so those stay in L2;
+  chunk grid  program (b, c, h), h fastest: one chunk of one head per program;
   state grid  program (b, h, j): j = block of `state_block_p` headdim rows; each walks all chunks
               (the combine of state_passes.py).
 """
@@ -55,42 +50,17 @@ class ChunkGrid:
     def row(self, p):
         return p // (self.geo.heads * self.geo.n_chunks)
 
-    def group(self, p):
-        return self.head(p) // self.geo.heads_per_group
-
     # ---- block specs (index maps get the flat program id)
-    def group_rows(self, width):
-        return pl.BlockSpec((None, self.geo.chunk, None, width),
-                            lambda p: (self.row(p), self.chunk(p), self.group(p), 0))
-
-    def head_rows(self):
-        return pl.BlockSpec((None, self.geo.chunk, None, self.geo.padded_headdim),
-                            lambda p: (self.row(p), self.chunk(p), self.head(p), 0))
-
-    def head_parts(self, width):
+    def head_rows(self, width):
         return pl.BlockSpec((None, self.geo.chunk, None, width),
                             lambda p: (self.row(p), self.chunk(p), self.head(p), 0))
-
-    def bias(self, width):
-        return pl.BlockSpec((None, width), lambda p: (self.head(p), 0))
 
     def sequence(self):
         return pl.BlockSpec((None, None, self.geo.chunk), lambda p: (self.row(p), self.head(p), self.chunk(p)))
 
-    def angle_rows(self):
-        return pl.BlockSpec((None, None, self.geo.chunk, self.geo.angle_width),
-                            lambda p: (self.row(p), self.head(p), self.chunk(p), 0))
-
-    def chunk_angle(self):
-        return pl.BlockSpec((None, None, None, self.geo.angle_width),
-                            lambda p: (self.row(p), self.head(p), self.chunk(p), 0))
-
-    def chunk_state(self, width):
-        return pl.BlockSpec((None, None, None, self.geo.padded_headdim, width),
+    def chunk_state(self):
+        return pl.BlockSpec((None, None, None, self.geo.padded_headdim, self.geo.padded_state),
                             lambda p: (self.row(p), self.head(p), self.chunk(p), 0, 0))
-
-    def chunk_vector(self, width):
-        return pl.BlockSpec((None, None, None, width), lambda p: (self.row(p), self.head(p), self.chunk(p), 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,40 +87,15 @@ class StateGrid:
     def row(self, p):
         return p // (self.n_row_blocks * self.geo.heads)
 
-    def group(self, p):
-        return self.head(p) // self.geo.heads_per_group
-
-    def group_rows(self, width):
-        return pl.BlockSpec((None, self.geo.padded_seqlen, None, width),
-                            lambda p: (self.row(p), 0, self.group(p), 0))
-
-    def head_row_block(self):
-        return pl.BlockSpec((None, self.geo.padded_seqlen, None, self.geo.state_block_p),
-                            lambda p: (self.row(p), 0, self.head(p), self.row_block(p)))
-
-    def bias(self, width):
-        return pl.BlockSpec((None, width), lambda p: (self.head(p), 0))
-
-    def sequence(self):
-        return pl.BlockSpec((None, None, self.geo.padded_seqlen), lambda p: (self.row(p), self.head(p), 0))
-
-    def angle_rows(self):
-        return pl.BlockSpec((None, None, self.geo.padded_seqlen, self.geo.angle_width),
-                            lambda p: (self.row(p), self.head(p), 0, 0))
-
-    def chunk_angles(self):
-        return pl.BlockSpec((None, None, self.geo.n_chunks, self.geo.angle_width),
-                            lambda p: (self.row(p), self.head(p), 0, 0))
-
     def chunk_scalars(self):
         return pl.BlockSpec((None, None, self.geo.n_chunks), lambda p: (self.row(p), self.head(p), 0))
 
-    def chunk_states(self, width):
-        return pl.BlockSpec((None, None, self.geo.n_chunks, self.geo.state_block_p, width),
+    def chunk_states(self):
+        return pl.BlockSpec((None, None, self.geo.n_chunks, self.geo.state_block_p, self.geo.padded_state),
                             lambda p: (self.row(p), self.head(p), 0, self.row_block(p), 0))
 
-    def state(self, width):
-        return pl.BlockSpec((None, None, self.geo.state_block_p, width),
+    def state(self):
+        return pl.BlockSpec((None, None, self.geo.state_block_p, self.geo.padded_state),
                             lambda p: (self.row(p), self.head(p), self.row_block(p), 0))
 
 

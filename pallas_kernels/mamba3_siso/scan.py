@@ -6,21 +6,23 @@ contract of jmamba/ops/mamba3_siso_scan/api.py, differentiable w.r.t. every arra
 
 Split of the work (spec §4): everything per position and small is plain JAX here, so JAX
 differentiates it (the DT/Trap/D/initial-state chains of §4.4 steps 4-6 come for free); only the
-chunked core (core.py: two kernels forward, two backward, one custom_vjp) is hand-differentiated.
+chunked core (core.py: one custom_vjp around three kernels forward, three backward, and the per-head
+query/key operands of queries_keys.py) is hand-differentiated.
 
   per position   λ = σ(Trap), γ = λ·DT, σ̂_t = DT_{t+1}(1 − λ_{t+1}) (0 at the end), s = γ + σ̂,
                  skip = D + γ⟨q̄, k̄⟩ (expanded so that no [Bt, T, H, N] array is formed),
                  inc = π·tanh(Angles)·DT                                            [Bt, T, H(, S)]
   per chunk      the angle entering each chunk: a triangular matmul over the wrapped chunk sums of
-                 inc, wrapped again (chunk_entry_angles)
+                 inc, wrapped again (chunk_entry_angles); then the angle at every position:
+                 θ_t = (θ_entry + Σ_{r <= t in the chunk} inc_r) mod 2π (position_angles)
   initial state  S_0 = h_{-1} + DT_0(1 − λ_0)·v_{-1}k_{-1}ᵀ (the β_0 term folded in, §4.1)
   final states   angle = the wrapped total; ssm from the core; k = R(θ_{T-1})(K_{T-1} + K_bias);
                  v = V_{T-1}
 
-Layout work done here (layout.py): T padded to a multiple of the chunk (ADT = DT = 0 there: identity
-steps with zero input, so the final state is exact), headdim padded to Pp, and d_state permuted into
-the even / odd / rest parts of config.py (each zero-padded to a power of two). All of it is skipped
-where the shapes already fit (the PERF.md shape needs none).
+Layout work done here (layout.py, config.py): T padded to a multiple of the chunk (ADT = DT = 0 there:
+identity steps with zero input, so the final state is exact), headdim padded to Pp, and d_state of Q,
+K, the biases and the state permuted into the kernel layout (even | odd | rest pieces, zero-padded):
+[.., G, N] arrays only; the per-head [.., H, Np] operands are formed in that layout inside the core.
 
 Numerics: every preprocessing step is float32; see the kernel modules for theirs. float64 inputs are
 not supported (the kernels compute in float32).
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.mamba3_siso.config import Mamba3ScanConfig, ScanGeometry, make_geometry
 from pallas_kernels.mamba3_siso.core import chunked_core
+from pallas_kernels.mamba3_siso.queries_keys import from_kernel_layout, rotate_pairs, to_kernel_layout
 
 F32 = jnp.float32
 HI = jax.lax.Precision.HIGHEST
@@ -71,16 +74,16 @@ def mamba3_siso_scan_pallas(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z
                                           chunk_size=chunk_size, config=config, interpret=interpret)
     out, final = chunked_core(geo, *core_args)
     bsz, T, H, P = V.shape
-    G = Q.shape[2]
+    G, N = Q.shape[2:]
     k_last = jnp.repeat(K[:, T - 1].astype(F32), H // G, axis=1) + K_bias.astype(F32)     # [Bt, H, N]
-    final_states = (theta_final, merge_parts(geo, final)[:, :, :P],
-                    rotate_pairs(k_last, theta_final), V[:, T - 1].astype(F32))
+    final_states = (theta_final, from_kernel_layout(geo, final[:, :, :P]), rotate_pairs(k_last, theta_final),
+                    V[:, T - 1].astype(F32))
     return out[:, :T, :, :P], final_states
 
 
 def prepare(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, initial_states, *, chunk_size, config=None,
             interpret=False):
-    """The plain-JAX part before the kernels: (geometry, the 12 arguments of `chunked_core` after
+    """The plain-JAX part before the kernels: (geometry, the 11 arguments of `chunked_core` after
     `geo`, the final angle [Bt, H, S])."""
     bsz, T, H, P = V.shape
     G, N = Q.shape[2:]
@@ -106,20 +109,22 @@ def prepare(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, initial_states
         angle0, h0, k0, v0 = (x.astype(F32) for x in initial_states)
         s0 = h0 + prev_weight[:, 0, :, None, None] * v0[..., :, None] * k0[..., None, :]
 
-    inc = theta_entry = None
+    theta = None
     theta_final = angle0
     if S:
         inc = math.pi * jnp.tanh(Angles.astype(F32)) * dt[..., None]     # [Bt, T, H, S]
         theta_entry, theta_final = chunk_entry_angles(geo, inc, angle0)
+        theta = position_angles(geo, inc, theta_entry)
 
+    if theta is not None and geo.angle_width > S:
+        theta = jnp.pad(theta, [(0, 0)] * 3 + [(0, geo.angle_width - S)])
     core_args = (
-        split_parts(geo, _pad_time(geo, Q)), split_parts(geo, _pad_time(geo, K)),
-        split_parts(geo, Q_bias.astype(F32)), split_parts(geo, K_bias.astype(F32)),
+        to_kernel_layout(geo, _pad_time(geo, Q)), to_kernel_layout(geo, _pad_time(geo, K)),
+        to_kernel_layout(geo, Q_bias.astype(F32)), to_kernel_layout(geo, K_bias.astype(F32)),
+        _pad_time(geo, scale), theta,
         _pad_headdim(geo, _pad_time(geo, V)), None if Z is None else _pad_headdim(geo, _pad_time(geo, Z)),
-        _sequence(geo, ADT.astype(F32)), _sequence(geo, scale), _sequence(geo, skip),
-        None if inc is None else jnp.transpose(_pad_last(_pad_time(geo, inc), geo.angle_width), (0, 2, 1, 3)),
-        None if theta_entry is None else jnp.transpose(_pad_last(theta_entry, geo.angle_width), (0, 2, 1, 3)),
-        split_parts(geo, _pad_headdim(geo, s0, axis=2)))
+        _sequence(geo, ADT.astype(F32)), _sequence(geo, skip),
+        _pad_headdim(geo, to_kernel_layout(geo, s0), axis=2))
     return geo, core_args, theta_final
 
 
@@ -154,43 +159,15 @@ def chunk_entry_angles(geo: ScanGeometry, inc, angle0):
     return running[:, :-1], running[:, -1]
 
 
-def rotate_pairs(x, theta):
-    """Rotates adjacent pairs (2a, 2a+1) of x [..., N] by +θ_a [..., S]; dims 2S.. pass through."""
-    S = theta.shape[-1]
-    if S == 0:
-        return x
-    x0, x1 = x[..., 0:2 * S:2], x[..., 1:2 * S:2]
-    c, s = jnp.cos(theta), jnp.sin(theta)
-    rotated = jnp.stack([c * x0 - s * x1, s * x0 + c * x1], axis=-1).reshape(x.shape[:-1] + (2 * S,))
-    return jnp.concatenate([rotated, x[..., 2 * S:]], axis=-1)
+def position_angles(geo: ScanGeometry, inc, theta_entry):
+    """[Bt, Tp, H, S] θ_t = (θ entering t's chunk + Σ_{r <= t in the chunk} inc_r) mod 2π (float32).
 
-
-def split_parts(geo: ScanGeometry, x):
-    """[..., N] -> tuple of the d_state parts [..., w] (even, odd dims of the rotated pairs; rest)."""
-    S = geo.num_angles
-    parts = []
-    if geo.angle_width:
-        parts += [_pad_last(x[..., 0:2 * S:2], geo.angle_width), _pad_last(x[..., 1:2 * S:2], geo.angle_width)]
-    if geo.rest_width:
-        parts.append(_pad_last(x[..., 2 * S:], geo.rest_width))
-    return tuple(parts)
-
-
-def merge_parts(geo: ScanGeometry, parts):
-    """Inverse of split_parts: tuple of [..., w] -> [..., N]."""
-    S, N = geo.num_angles, geo.d_state
-    pieces = []
-    if geo.angle_width:
-        even, odd = parts[0][..., :S], parts[1][..., :S]
-        pieces.append(jnp.stack([even, odd], axis=-1).reshape(even.shape[:-1] + (2 * S,)))
-    if geo.rest_width:
-        pieces.append(parts[-1][..., :N - 2 * S])
-    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
-
-
-def _pad_last(x, width):
-    extra = width - x.shape[-1]
-    return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+    inc: [Bt, T, H, S]; theta_entry: [Bt, nc, H, S] wrapped angles entering each chunk. Each term is
+    below 2π·(1 + L), so the in-chunk sum loses at most ~L·2π·2^-24 rad to rounding.
+    """
+    bsz, _, H, S = inc.shape
+    within = jnp.cumsum(_pad_time(geo, inc).reshape(bsz, geo.n_chunks, geo.chunk, H, S), axis=2)
+    return jnp.mod(theta_entry[:, :, None] + within, TWO_PI).reshape(bsz, geo.padded_seqlen, H, S)
 
 
 def _pad_time(geo: ScanGeometry, x, axis=1):

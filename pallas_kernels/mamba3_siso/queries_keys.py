@@ -1,0 +1,83 @@
+"""The kernels' per-head query and key operands: bias, RoPE rotation and (keys) the trapezoid scale,
+in the kernel layout of d_state (config.py: even | odd | rest pieces).
+
+    q_t = R(θ_t)(Q_t[g] + Q_bias[h]),    k̃_t = s_t·R(θ_t)(K_t[g] + K_bias[h])       per head h in group g
+
+Why a separate step: formed once here (XLA, one fusion each, rounded once to the dot operand dtype),
+they let every chunk kernel do each product as one dot over the whole d_state. In the kernel layout
+the rotation is elementwise between the contiguous even and odd pieces. Its transpose, the sums over
+the heads of a group and over positions for the biases, the angle and scale gradients are the
+query/key gradient kernel (qk_gradients.py).
+
+Numerics: float32 throughout; the caller rounds the result to the dot operand dtype.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels.mamba3_siso.config import ScanGeometry
+
+F32 = jnp.float32
+
+
+def rotate_pairs(x, theta):
+    """Rotates adjacent pairs (2a, 2a+1) of x [..., N] by +θ_a ([..., S], broadcast); dims 2S.. pass through."""
+    S = theta.shape[-1]
+    if S == 0:
+        return x
+    pairs = x[..., :2 * S].reshape(x.shape[:-1] + (S, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    c, s = jnp.cos(theta), jnp.sin(theta)
+    rotated = jnp.stack([c * x0 - s * x1, s * x0 + c * x1], axis=-1).reshape(x.shape[:-1] + (2 * S,))
+    return rotated if 2 * S == x.shape[-1] else jnp.concatenate([rotated, x[..., 2 * S:]], axis=-1)
+
+
+def _pad_last(x, width):
+    extra = width - x.shape[-1]
+    return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+
+def to_kernel_layout(geo: ScanGeometry, x):
+    """[..., N] -> [..., Np]: the even, odd and rest pieces of d_state, each zero-padded (config.py)."""
+    S = geo.num_angles
+    pieces = []
+    if geo.angle_width:
+        pieces += [_pad_last(x[..., 0:2 * S:2], geo.angle_width), _pad_last(x[..., 1:2 * S:2], geo.angle_width)]
+    if geo.rest_width:
+        pieces.append(_pad_last(x[..., 2 * S:], geo.rest_width))
+    return _pad_last(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1), geo.padded_state)
+
+
+def from_kernel_layout(geo: ScanGeometry, y):
+    """Inverse of to_kernel_layout: [..., Np] -> [..., N]."""
+    S, N, Sp = geo.num_angles, geo.d_state, geo.angle_width
+    pieces = []
+    if Sp:
+        even, odd = y[..., :S], y[..., Sp:Sp + S]
+        pieces.append(jnp.stack([even, odd], axis=-1).reshape(even.shape[:-1] + (2 * S,)))
+    if geo.rest_width:
+        pieces.append(y[..., 2 * Sp:2 * Sp + N - 2 * S])
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
+
+
+def head_queries_keys(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta):
+    """(q, k̃) per head, float32 [Bt, Tp, H, Np], kernel layout.
+
+    Args:
+      Q, K: [Bt, Tp, G, Np] kernel layout, any float dtype; Q_bias, K_bias: [H, Np] float32 kernel layout;
+      scale: [Bt, Tp, H] s = γ + σ̂; theta: [Bt, Tp, H, Sp] angle at each position (wrapped, zero-padded),
+      or None (no rotation).
+    """
+    G = Q.shape[2]
+    Sp = geo.angle_width
+
+    def per_head(x, bias):
+        x = jnp.repeat(x.astype(F32), geo.heads // G, axis=2) + bias                # [Bt, Tp, H, Np]
+        if theta is None:
+            return x
+        c, s = jnp.cos(theta), jnp.sin(theta)
+        even, odd, rest = x[..., :Sp], x[..., Sp:2 * Sp], x[..., 2 * Sp:]
+        return jnp.concatenate([c * even - s * odd, s * even + c * odd, rest], axis=-1)
+
+    return per_head(Q, Q_bias), per_head(K, K_bias) * scale[..., None]
