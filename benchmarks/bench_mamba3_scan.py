@@ -57,11 +57,12 @@ SWEEP = [
     dataclasses.replace(DEFAULT_CONFIG, split_gradient_kernel=False),
     dataclasses.replace(DEFAULT_CONFIG, num_warps_grad=8),
     dataclasses.replace(DEFAULT_CONFIG, num_warps_chunk=8),
+    dataclasses.replace(DEFAULT_CONFIG, num_warps_local=8),
     dataclasses.replace(DEFAULT_CONFIG, num_warps_qk=8),
     dataclasses.replace(DEFAULT_CONFIG, qk_block_rows=16),
     dataclasses.replace(DEFAULT_CONFIG, qk_block_rows=64),
     dataclasses.replace(DEFAULT_CONFIG, state_block_p=32),
-    dataclasses.replace(DEFAULT_CONFIG, max_chunk=32),
+    dataclasses.replace(DEFAULT_CONFIG, state_block_p=8),
 ]
 
 

@@ -168,6 +168,40 @@ def test_one_or_two_gradient_kernels_match_reference(with_z, split):
     check_against_reference(arrays, states, 16, 2e-5, Mamba3ScanConfig(split_gradient_kernel=split, qk_block_rows=16))
 
 
+@pytest.mark.parametrize("N,S,G,H", [(7, 1, 3, 6), (12, 6, 1, 2), (8, 0, 2, 4), (40, 10, 1, 3)],
+                         ids=["rest-padded-groups", "full-rope", "no-angles", "three-heads"])
+def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H):
+    """The per-head q, k̃ kernel against queries_keys.head_queries_keys, and the query/key gradient
+    kernel against JAX's VJP of it (every cotangent: Q, K, both biases, scale, angles)."""
+    from pallas_kernels.mamba3_siso import qk_gradients, queries_keys
+
+    bsz, T = 2, 32
+    geo = make_geometry(batch=bsz, seqlen=T, heads=H, groups=G, headdim=16, d_state=N, num_angles=S, chunk_size=16,
+                        has_z=False, matmul_dtype=jnp.float32, io_dtype=jnp.float32, interpret=True,
+                        config=Mamba3ScanConfig(qk_block_rows=8))
+    r = np.random.default_rng(9)
+    Np, Sp = geo.padded_state, geo.angle_width
+    lay = lambda x: queries_keys.to_kernel_layout(geo, jnp.asarray(x, jnp.float32))
+    Q, K = lay(r.normal(size=(bsz, T, G, N))), lay(r.normal(size=(bsz, T, G, N)))
+    Q_bias, K_bias = lay(r.normal(size=(H, N))), lay(r.normal(size=(H, N)))
+    scale = jnp.asarray(r.uniform(0.01, 0.5, (bsz, T, H)), jnp.float32)
+    theta = None if S == 0 else jnp.pad(jnp.asarray(r.uniform(0, 2 * np.pi, (bsz, T, H, S)), jnp.float32),
+                                        [(0, 0)] * 3 + [(0, Sp - S)])
+    args = (Q, K, Q_bias, K_bias, scale, theta)
+
+    want, vjp = jax.vjp(functools.partial(queries_keys.head_queries_keys, geo), *args)
+    got = queries_keys.head_queries_keys_kernel(geo, *args)
+    for name, g, w in zip(("q", "k"), got, want):
+        assert_close(name, g, w, 2e-6)
+    dq, dk = (jnp.asarray(r.normal(size=(bsz, T, H, Np)), jnp.float32) for _ in range(2))
+    got = qk_gradients.query_key_gradients(geo, *args, dq, dk)
+    for name, g, w in zip(("dQ", "dK", "dQ_bias", "dK_bias", "d_scale", "d_theta"), got, vjp((dq, dk))):
+        if w is None:
+            assert g is None, name
+        else:
+            assert_close(name, g, w, 2e-6)
+
+
 def test_vmap_jit_and_checkpoint_gradients_match_reference():
     """vmap prepends a grid axis to every pallas_call (the 1-D grids keep that within Triton's three);
     jax.checkpoint re-runs the forward kernels inside the backward."""
@@ -240,15 +274,15 @@ def _lower_for_h200(shape, dtype, *, with_z=True, config=None):
 ], ids=["perf-shape-bf16", "odd-shape-f32", "fullrope-f16"])
 def test_kernels_lower_to_triton_for_h200(shape, dtype, with_z):
     text = _lower_for_h200(shape, dtype, with_z=with_z)
-    # forward: chunk states, state combine, chunk outputs; backward: chunk adjoints, adjoint combine,
-    # chunk gradients (two launches by default), query/key gradients
-    assert text.count("__gpu$xla.gpu.triton") == 8
+    # forward: queries/keys, chunk states, state combine, chunk outputs; backward: chunk adjoints,
+    # adjoint combine, chunk gradients (two launches by default), query/key gradients
+    assert text.count("__gpu$xla.gpu.triton") == 9
 
 
 def test_one_gradient_kernel_lowers_for_h200():
     config = Mamba3ScanConfig(split_gradient_kernel=False, stored_state_dtype="float32", num_warps_grad=8)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 7
+    assert text.count("__gpu$xla.gpu.triton") == 8
 
 
 def test_abstract_lowering_rejects_what_triton_cannot_lower():
@@ -332,8 +366,13 @@ def test_chunk_size_is_rounded_to_a_power_of_two_the_dots_accept():
     geo = make_geometry(batch=1, seqlen=50, heads=6, groups=3, headdim=20, d_state=7, num_angles=1, chunk_size=5,
                         has_z=False, matmul_dtype=jnp.float32, io_dtype=jnp.float32)
     assert (geo.chunk, geo.padded_seqlen, geo.padded_headdim) == (16, 64, 32)
-    # d_state 7 with one rotated pair: even | odd | rest pieces of 8 columns each, padded to 32
-    assert geo.pieces == (("even", 0, 8), ("odd", 8, 8), ("rest", 16, 8)) and geo.padded_state == 32
+    # d_state 7 with one rotated pair: even | odd pieces of 8 columns, then 5 unrotated dims and zeros
+    assert geo.pieces == (("even", 0, 8), ("odd", 8, 8), ("rest16", 16, 16)) and geo.padded_state == 32
+    # rest columns not a power of two: cut into pieces covering every column
+    geo = make_geometry(batch=1, seqlen=64, heads=2, groups=1, headdim=64, d_state=136, num_angles=20, chunk_size=64,
+                        has_z=False, matmul_dtype=jnp.float32, io_dtype=jnp.float32)
+    assert geo.padded_state == 256 and geo.pieces == (("even", 0, 32), ("odd", 32, 32), ("rest64", 64, 128),
+                                                      ("rest192", 192, 64))
 
 
 # ------------------------------------------------------------------------------------------------ GPU

@@ -69,3 +69,33 @@ class ChunkDecay:
         below = rows > cols
         diff = self.cs[:, None] - self.cs[None, :]
         return jnp.where(below, jnp.exp(jnp.where(below, diff, 0.0)), 0.0)
+
+
+# ---- RoPE on the pieces of the kernel layout (config.py): dicts {piece name: [rows, width] tile}
+def rotate(x, rotation):
+    """R(θ)·x: pairs (even_a, odd_a) rotated by +θ_a; the other pieces unchanged. rotation: (cos θ,
+    sin θ) [rows, Sp] or None (no angles)."""
+    if rotation is None:
+        return dict(x)
+    c, s = rotation
+    out = dict(x)
+    out["even"] = c * x["even"] - s * x["odd"]
+    out["odd"] = s * x["even"] + c * x["odd"]
+    return out
+
+
+def rotate_back(d, rotation):
+    """R(θ)ᵀ·d = R(−θ)·d (the rotation's transpose, for gradients)."""
+    if rotation is None:
+        return dict(d)
+    c, s = rotation
+    out = dict(d)
+    out["even"] = c * d["even"] + s * d["odd"]
+    out["odd"] = c * d["odd"] - s * d["even"]
+    return out
+
+
+def angle_gradient(d, x, rotation):
+    """[rows, Sp] ∂⟨d, R(θ)x⟩/∂θ_a = d_e·(−x_e sinθ − x_o cosθ) + d_o·(x_e cosθ − x_o sinθ)."""
+    c, s = rotation
+    return d["even"] * (-x["even"] * s - x["odd"] * c) + d["odd"] * (x["even"] * c - x["odd"] * s)

@@ -11,15 +11,17 @@ rounding).
 Padding: headdim P is padded with zeros to a power of two of at least `min_width` (Triton's `tl.dot`
 needs every dimension >= 16): Pp.
 
-Kernel layout of d_state: the N dims of queries, keys and states are permuted into three contiguous
-pieces, each zero-padded to a power of two,
+Kernel layout of d_state: the N dims of queries, keys and states are permuted into contiguous
+column pieces of power-of-two widths,
   even  [Sp]  dims 0, 2, ..., 2S-2   (first element of each rotated pair)     columns [0, Sp)
   odd   [Sp]  dims 1, 3, ..., 2S-1   (second element of each rotated pair)    columns [Sp, 2Sp)
-  rest  [Rp]  dims 2S .. N-1         (not rotated)                            columns [2Sp, 2Sp + Rp)
-then zero-padded to Np (a power of two >= min_width). Dot products over d_state do not depend on the
-order of its dims, so the chunk kernels use the whole [.., Np] tile; the RoPE rotation of pair a is
-elementwise between column a of `even` and of `odd`, which the query/key gradient kernel loads as
-separate column blocks of its refs (no kernel slices a loaded value).
+  rest        dims 2S .. N-1 (not rotated), then zeros                        columns [2Sp, Np)
+with Sp = S rounded up to a power of two (zero-padded) and Np = 2Sp + (N - 2S) rounded up to a power
+of two >= min_width; the rest columns are cut into power-of-two pieces (one for the PERF.md shape:
+Sp = 32, rest 64, Np = 128). Dot products over d_state do not depend on the order of its dims, so
+the chunk kernels use the whole [.., Np] tile; the RoPE rotation of pair a is elementwise between
+column a of `even` and of `odd`, which the query/key kernels load and store as column blocks of
+their refs (no kernel slices a loaded value), writing every column.
 """
 
 from __future__ import annotations
@@ -121,8 +123,7 @@ class ScanGeometry:
       chunk: chunk length L (power of two); padded_seqlen: T rounded up to a multiple of L.
       padded_headdim: Pp, P rounded up to a power of two >= min_width.
       angle_width: Sp, the padded width of the even / odd pieces (0 when S = 0).
-      rest_width: Rp, the padded width of the unrotated piece (0 when N = 2S).
-      padded_state: Np, 2·Sp + Rp rounded up to a power of two >= min_width.
+      padded_state: Np, 2·Sp + (N − 2S) rounded up to a power of two >= min_width.
       has_z: the output is gated by silu(Z).
       matmul_dtype: operand dtype of the in-kernel dots ("bfloat16"/"float16" for 16-bit
         activations: tensor cores with float32 accumulation; "float32": exact float32 dots).
@@ -142,7 +143,6 @@ class ScanGeometry:
     padded_seqlen: int
     padded_headdim: int
     angle_width: int
-    rest_width: int
     padded_state: int
     has_z: bool
     matmul_dtype: str
@@ -163,11 +163,22 @@ class ScanGeometry:
         return self.num_angles > 0
 
     @property
+    def rest_width(self) -> int:
+        """Columns after the rotated pieces: the N − 2S unrotated dims, then zeros."""
+        return self.padded_state - 2 * self.angle_width
+
+    @property
     def pieces(self) -> tuple[tuple[str, int, int], ...]:
-        """(name, first column, width) of the d_state pieces present in the kernel layout."""
-        Sp, Rp = self.angle_width, self.rest_width
+        """(name, first column, width) of the column pieces covering the kernel layout [0, Np): even,
+        odd, then the rest cut into powers of two (largest first)."""
+        Sp = self.angle_width
         out = [("even", 0, Sp), ("odd", Sp, Sp)] if Sp else []
-        return tuple(out + ([("rest", 2 * Sp, Rp)] if Rp else []))
+        start, left = 2 * Sp, self.rest_width
+        while left:
+            width = 1 << (left.bit_length() - 1)
+            out.append((f"rest{start}", start, width))
+            start, left = start + width, left - width
+        return tuple(out)
 
     @property
     def qk_rows(self) -> int:
@@ -196,12 +207,12 @@ def make_geometry(*, batch, seqlen, heads, groups, headdim, d_state, num_angles,
     def width(n, least=cfg.min_width):
         return 0 if n == 0 else max(least, next_power_of_2(n))
 
-    angle_width, rest_width = width(num_angles, 8), width(d_state - 2 * num_angles, 8)
+    angle_width = width(num_angles, 8)
 
     return ScanGeometry(
         batch=batch, seqlen=seqlen, heads=heads, groups=groups, headdim=headdim, d_state=d_state,
         num_angles=num_angles, chunk=L, padded_seqlen=-(-seqlen // L) * L,
-        padded_headdim=width(headdim), angle_width=angle_width, rest_width=rest_width,
-        padded_state=width(2 * angle_width + rest_width),
+        padded_headdim=width(headdim), angle_width=angle_width,
+        padded_state=width(2 * angle_width + d_state - 2 * num_angles),
         has_z=bool(has_z), matmul_dtype=jnp.dtype(matmul_dtype).name, io_dtype=jnp.dtype(io_dtype).name,
         config=cfg, interpret=bool(interpret))

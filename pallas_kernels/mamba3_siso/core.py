@@ -1,11 +1,11 @@
-"""The chunked Mamba-3 SISO core behind one `jax.custom_vjp`: three kernels forward, four backward.
+"""The chunked Mamba-3 SISO core behind one `jax.custom_vjp`: four kernels forward, four backward.
 
 What the core computes (everything around it, elementwise or small, is plain JAX in scan.py and
 differentiated by JAX): for the padded operands in the kernel layout of config.py,
 
     out, S_final = core(Q, K, Q_bias, K_bias, scale, theta, v, z, adt, skip, S_0)
 
-  forward   queries_keys.head_queries_keys    -> per-head q, k̃ in the dot operand dtype (XLA)
+  forward   queries_keys.head_queries_keys_kernel -> per-head q, k̃ in the dot operand dtype (1 kernel)
             state_passes.forward_state_pass   -> states entering every chunk, S_final  (2 kernels)
             chunk_forward.chunk_outputs       -> out                                   (1 kernel)
   backward  state_passes.adjoint_state_pass   -> adjoints leaving every chunk, dS_0    (2 kernels)
@@ -28,16 +28,14 @@ import jax.numpy as jnp
 from pallas_kernels.mamba3_siso import chunk_backward, chunk_forward, state_passes
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 from pallas_kernels.mamba3_siso.qk_gradients import query_key_gradients
-from pallas_kernels.mamba3_siso.queries_keys import head_queries_keys
+from pallas_kernels.mamba3_siso.queries_keys import head_queries_keys_kernel
 
 F32 = jnp.float32
 
 
 def kernel_queries_keys(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta):
-    """(q, k̃) [Bt, Tp, H, Np] rounded to the dot operand dtype (see queries_keys.py)."""
-    mm = jnp.dtype(geo.matmul_dtype)
-    q, k = head_queries_keys(geo, Q, K, Q_bias, K_bias, scale, theta)
-    return q.astype(mm), k.astype(mm)
+    """(q, k̃) [Bt, Tp, H, Np] in the dot operand dtype (see queries_keys.py)."""
+    return head_queries_keys_kernel(geo, Q, K, Q_bias, K_bias, scale, theta)
 
 
 def kernel_operands(geo: ScanGeometry, q, k, v, z, adt, skip, s0=None, d_out=None):

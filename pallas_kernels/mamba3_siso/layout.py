@@ -17,7 +17,11 @@ Grids are flattened to one axis, so that every `vmap` of a `pallas_call` (which 
 still fits Triton's three:
   chunk grid  program (b, c, h), h fastest: one chunk of one head per program;
   state grid  program (b, h, j): j = block of `state_block_p` headdim rows; each walks all chunks
-              (the combine of state_passes.py).
+              (the combine of state_passes.py);
+  group grid  program (b, t, g): t = block of `qk_rows` positions, g = group; each walks the heads of
+              its group (the query/key kernels). Per-head arrays are viewed as [Bt, Tp, G, H/G, ...]
+              (a free reshape); the H/G axis of a block need not be a power of two, since a program
+              only ever loads one head of it (a dynamic index).
 """
 
 from __future__ import annotations
@@ -99,13 +103,64 @@ class StateGrid:
                             lambda p: (self.row(p), self.head(p), self.row_block(p), 0))
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupGrid:
+    """Programs (b, t, g) over batch rows, blocks of positions and groups; each walks its group's heads."""
+
+    geo: ScanGeometry
+
+    @property
+    def blocks(self):
+        return self.geo.padded_seqlen // self.geo.qk_rows
+
+    @property
+    def size(self):
+        return (self.geo.batch * self.blocks * self.geo.groups,)
+
+    def index(self, p):
+        """(batch row, block, group) of program p."""
+        g = self.geo.groups
+        return p // (self.blocks * g), (p // g) % self.blocks, p % g
+
+    def per_head(self, x):
+        """[Bt, Tp, H, ...] -> [Bt, Tp, G, H/G, ...] (free reshape)."""
+        g = self.geo
+        return x.reshape(x.shape[:2] + (g.groups, g.heads_per_group) + x.shape[3:])
+
+    # ---- block specs
+    def group_rows(self):
+        """[Bt, Tp, G, Np] (Q, K and their gradients): a [rows, Np] block."""
+        return pl.BlockSpec((None, self.geo.qk_rows, None, self.geo.padded_state),
+                            lambda p: self.index(p) + (0,))
+
+    def head_rows(self, width):
+        """per_head([Bt, Tp, H, width]): a [rows, H/G, width] block."""
+        return pl.BlockSpec((None, self.geo.qk_rows, None, self.geo.heads_per_group, width),
+                            lambda p: self.index(p) + (0, 0))
+
+    def head_scalars(self):
+        """per_head([Bt, Tp, H]): a [rows, H/G] block."""
+        return pl.BlockSpec((None, self.geo.qk_rows, None, self.geo.heads_per_group),
+                            lambda p: self.index(p) + (0,))
+
+    def biases(self):
+        """[G, H/G, Np] (the biases, per group): the group's [H/G, Np] block."""
+        return pl.BlockSpec((None, self.geo.heads_per_group, self.geo.padded_state),
+                            lambda p: (self.index(p)[2], 0, 0))
+
+    def block_partials(self):
+        """[Bt, blocks, G, H/G, Np] (per-block partial sums): the program's [H/G, Np] block."""
+        return pl.BlockSpec((None, None, None, self.geo.heads_per_group, self.geo.padded_state),
+                            lambda p: self.index(p) + (0, 0))
+
+
 def run_kernel(body, geo: ScanGeometry, grid, inputs, outputs, name, num_warps):
     """Launches `body` over `grid` with named refs.
 
     Args:
       body: `body(refs: dict[str, Ref])`, the kernel.
       geo: the ScanGeometry (interpret flag, pipelining depth).
-      grid: a ChunkGrid or StateGrid.
+      grid: a ChunkGrid, StateGrid or GroupGrid.
       inputs: list of (name, array, BlockSpec), entries whose array is None are skipped;
       outputs: list of (name, ShapeDtypeStruct, BlockSpec).
       name: kernel name (shows up in profiles).

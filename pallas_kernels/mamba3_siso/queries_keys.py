@@ -3,19 +3,25 @@ in the kernel layout of d_state (config.py: even | odd | rest pieces).
 
     q_t = R(θ_t)(Q_t[g] + Q_bias[h]),    k̃_t = s_t·R(θ_t)(K_t[g] + K_bias[h])       per head h in group g
 
-Why a separate step: formed once here (XLA, one fusion each, rounded once to the dot operand dtype),
-they let every chunk kernel do each product as one dot over the whole d_state. In the kernel layout
-the rotation is elementwise between the contiguous even and odd pieces. Its transpose, the sums over
-the heads of a group and over positions for the biases, the angle and scale gradients are the
-query/key gradient kernel (qk_gradients.py).
+Why a separate step: formed once here and rounded once to the dot operand dtype, they let every
+chunk kernel do each product as one dot over the whole d_state. In the kernel layout the rotation is
+elementwise between the contiguous even and odd pieces. `head_queries_keys_kernel` is the Pallas
+kernel the core runs (one program per (batch row, block of positions, group), layout.GroupGrid: it
+reads Q, K once and writes each head's q, k̃ piece by piece); `head_queries_keys` is its pure-JAX
+reference (XLA took ~0.3 ms for it at the PERF.md shape; JAX differentiates it in tests). The
+backward is the query/key gradient kernel (qk_gradients.py).
 
-Numerics: float32 throughout; the caller rounds the result to the dot operand dtype.
+Numerics: float32 throughout; q, k̃ rounded once to the dot operand dtype.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
+from pallas_kernels.mamba3_siso import layout
+from pallas_kernels.mamba3_siso.chunk_math import rotate
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 
 F32 = jnp.float32
@@ -44,9 +50,8 @@ def to_kernel_layout(geo: ScanGeometry, x):
     pieces = []
     if geo.angle_width:
         pieces += [_pad_last(x[..., 0:2 * S:2], geo.angle_width), _pad_last(x[..., 1:2 * S:2], geo.angle_width)]
-    if geo.rest_width:
-        pieces.append(_pad_last(x[..., 2 * S:], geo.rest_width))
-    return _pad_last(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1), geo.padded_state)
+    pieces.append(_pad_last(x[..., 2 * S:], geo.rest_width))
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
 
 
 def from_kernel_layout(geo: ScanGeometry, y):
@@ -56,7 +61,7 @@ def from_kernel_layout(geo: ScanGeometry, y):
     if Sp:
         even, odd = y[..., :S], y[..., Sp:Sp + S]
         pieces.append(jnp.stack([even, odd], axis=-1).reshape(even.shape[:-1] + (2 * S,)))
-    if geo.rest_width:
+    if N > 2 * S:
         pieces.append(y[..., 2 * Sp:2 * Sp + N - 2 * S])
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
 
@@ -81,3 +86,42 @@ def head_queries_keys(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta):
         return jnp.concatenate([c * even - s * odd, s * even + c * odd, rest], axis=-1)
 
     return per_head(Q, Q_bias), per_head(K, K_bias) * scale[..., None]
+
+
+def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta):
+    """Pallas version of `head_queries_keys`, rounded to the dot operand dtype: (q, k̃) [Bt, Tp, H, Np]."""
+    grid = layout.GroupGrid(geo)
+    pieces = geo.pieces
+    mm = jnp.dtype(geo.matmul_dtype)
+
+    def body(refs):
+        rows = {p: {n: refs[p][:, pl.ds(start, width)].astype(F32) for n, start, width in pieces} for p in "QK"}
+
+        def head_step(j, carry):
+            rotation = None
+            if theta is not None:
+                angle = refs["theta"][:, j, :]
+                rotation = (jnp.cos(angle), jnp.sin(angle))
+            s = refs["scale"][:, j]
+            for p, out in (("Q", "q"), ("K", "k")):
+                biased = {n: rows[p][n] + refs[f"{p}_bias"][j, pl.ds(start, width)][None, :]
+                          for n, start, width in pieces}
+                for n, start, width in pieces:
+                    x = rotate(biased, rotation)[n]
+                    refs[out][:, j, pl.ds(start, width)] = (x if p == "Q" else s[:, None] * x).astype(mm)
+            return carry
+
+        jax.lax.fori_loop(0, geo.heads_per_group, head_step, 0)
+
+    bsz, Tp, G, Np = Q.shape
+    hpg = geo.heads_per_group
+    inputs = [("Q", Q, grid.group_rows()), ("K", K, grid.group_rows()),
+              ("Q_bias", Q_bias.reshape(G, hpg, Np), grid.biases()), ("K_bias", K_bias.reshape(G, hpg, Np), grid.biases()),
+              ("scale", grid.per_head(scale), grid.head_scalars()),
+              ("theta", None if theta is None else grid.per_head(theta), grid.head_rows(geo.angle_width))]
+    per_head = jax.ShapeDtypeStruct((bsz, Tp, G, hpg, Np), mm)
+    out = layout.run_kernel(body, geo, grid, inputs,
+                            [("q", per_head, grid.head_rows(Np)), ("k", per_head, grid.head_rows(Np))],
+                            "mamba3_siso_fwd_queries_keys", geo.config.num_warps_qk)
+    H = geo.heads
+    return out["q"].reshape(bsz, Tp, H, Np), out["k"].reshape(bsz, Tp, H, Np)

@@ -91,12 +91,23 @@ def combine_chunks(geo: ScanGeometry, contributions, decays, boundary, *, revers
     nc = geo.n_chunks
 
     def body(refs):
-        def step(k, x):
-            c = nc - 1 - k if reverse else k
-            refs["each"][c] = x.astype(refs["each"].dtype)
-            return refs["decay"][c] * x + refs["local"][c].astype(F32)
+        def chunk_at(k):   # the k-th chunk visited
+            return nc - 1 - k if reverse else k
 
-        refs["last"][...] = jax.lax.fori_loop(0, nc, step, refs["boundary"][...])
+        def load(k):       # (decay, contribution) of the k-th chunk visited (k clamped: a harmless reload)
+            c = chunk_at(jnp.minimum(k, nc - 1))
+            return refs["decay"][c], refs["local"][c].astype(F32)
+
+        def step(k, carry):
+            # the next chunk's operands are loaded before this step's store and multiply-add, so their
+            # global-memory latency overlaps this step (a hand-written prefetch: Triton does not
+            # pipeline this loop)
+            x, (decay, local) = carry
+            ahead = load(k + 1)
+            refs["each"][chunk_at(k)] = x.astype(refs["each"].dtype)
+            return decay * x + local, ahead
+
+        refs["last"][...] = jax.lax.fori_loop(0, nc, step, (refs["boundary"][...], load(0)))[0]
 
     inputs = [("decay", decays, grid.chunk_scalars()), ("local", contributions, grid.chunk_states()),
               ("boundary", boundary, grid.state())]

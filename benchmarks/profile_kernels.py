@@ -1,0 +1,82 @@
+"""Per-kernel device times of one jitted function, from a jax.profiler trace (no TensorBoard needed).
+
+    python3 benchmarks/profile_kernels.py mamba3 [--shape b8t2048] [--iters 10]   # Mamba-3 scan fwd+bwd
+    python3 benchmarks/profile_kernels.py mamba3 --forward                         # forward only
+
+Runs the function `--iters` times inside `jax.profiler.trace`, reads the trace back with
+`jax.profiler.ProfileData`, and prints, per kernel name (GPU events of the device plane), the total
+time per call, the count per call and the share; the last row is the sum of kernel times per call
+(less than the wall time by the gaps between kernels). Names of XLA fusions are XLA's; the Pallas
+kernels carry their `name=` (e.g. mamba3_siso_bwd_chunk_gradients).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import bench_mamba3_scan as m3  # noqa: E402
+
+
+def kernel_times(fn, args, iters):
+    """{kernel name: (total ns, count)} over `iters` calls of fn(*args) (already compiled and warm)."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(iters):
+                jax.block_until_ready(fn(*args))
+        path = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]
+        data = jax.profiler.ProfileData.from_file(path)
+    totals = collections.defaultdict(lambda: [0, 0])
+    for plane in data.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            if "stream" not in line.name.lower() and "kernel" not in line.name.lower():
+                continue
+            for ev in line.events:
+                totals[ev.name][0] += ev.duration_ns
+                totals[ev.name][1] += 1
+    return totals
+
+
+def report(totals, iters, top=30):
+    total = sum(t for t, _ in totals.values())
+    print("| kernel | µs per call | launches per call | share |\n|---|---|---|---|")
+    for name, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"| {name[:90]} | {t / iters / 1e3:.1f} | {n / iters:g} | {100 * t / max(total, 1):.1f}% |")
+    print(f"| **sum of kernel times** | {total / iters / 1e3:.1f} | | |", flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=["mamba3"])
+    p.add_argument("--shape", default="b8t2048", choices=list(m3.SHAPES))
+    p.add_argument("--forward", action="store_true")
+    p.add_argument("--iters", type=int, default=10)
+    a = p.parse_args(argv)
+    bsz, T = m3.SHAPES[a.shape]
+    args = m3.make_args(bsz, T, m3.DIMS)
+    fn = m3.op_function("pallas", 64, m3.DEFAULT_CONFIG, jax.default_backend() != "gpu")
+    if a.forward:
+        f, fargs = jax.jit(fn), (args,)
+    else:
+        d_out = jnp.asarray(np.random.default_rng(7).normal(size=args["V"].shape), jnp.bfloat16)
+        f, fargs = jax.jit(m3.forward_and_backward(fn)), (args, d_out)
+    print(f"# {a.what} {'forward' if a.forward else 'forward+backward'} at {a.shape}, {a.iters} calls, "
+          f"{jax.devices()[0].device_kind}\n")
+    report(kernel_times(f, fargs, a.iters), a.iters)
+
+
+if __name__ == "__main__":
+    main()
