@@ -54,13 +54,12 @@ ARG_NAMES = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "Angles", "
 SWEEP = [
     DEFAULT_CONFIG,
     dataclasses.replace(DEFAULT_CONFIG, stored_state_dtype="float32"),
-    dataclasses.replace(DEFAULT_CONFIG, split_gradient_kernel=False),
+    dataclasses.replace(DEFAULT_CONFIG, gradient_kernels=1),
+    dataclasses.replace(DEFAULT_CONFIG, gradient_kernels=2),
     dataclasses.replace(DEFAULT_CONFIG, num_warps_grad=8),
     dataclasses.replace(DEFAULT_CONFIG, num_warps_chunk=8),
     dataclasses.replace(DEFAULT_CONFIG, num_warps_local=8),
-    dataclasses.replace(DEFAULT_CONFIG, num_warps_qk=8),
-    dataclasses.replace(DEFAULT_CONFIG, qk_block_rows=16),
-    dataclasses.replace(DEFAULT_CONFIG, qk_block_rows=64),
+    dataclasses.replace(DEFAULT_CONFIG, num_warps_qk=4),
     dataclasses.replace(DEFAULT_CONFIG, state_block_p=32),
     dataclasses.replace(DEFAULT_CONFIG, state_block_p=8),
 ]
@@ -182,17 +181,17 @@ def stage_breakdown(shape, dims, chunk, config, iters, interpret, workers):
 
     geo = scan.prepare(*inputs, None, chunk_size=chunk, config=config, interpret=interpret)[0]
 
-    def operands(args, qk, d_out=None):   # args: Q, K, Q_bias, K_bias, scale, theta, v, z, adt, skip, s0
-        return core.kernel_operands(geo, *qk, *args[6:10], s0=args[10], d_out=d_out)
+    def operands(args, qk, d_out=None):   # args: Q, K, Q_bias, K_bias, scale, inc, θ_entry, v, z, adt, skip, s0
+        return core.kernel_operands(geo, *qk, *args[7:11], s0=args[11], d_out=d_out)
 
     def queries_keys(args):
-        return core.kernel_queries_keys(geo, *args[:6])
+        return core.kernel_queries_keys(geo, *args[:7])
 
     def fwd_local(args, qk):
         return state_passes.chunk_contributions(geo, operands(args, qk), adjoint=False)
 
     def fwd_combine(args, local):
-        return state_passes.combine_chunks(geo, local, state_passes.chunk_decays(geo, args[8]), args[10],
+        return state_passes.combine_chunks(geo, local, state_passes.chunk_decays(geo, args[9]), args[11],
                                            reverse=False)[0]
 
     def fwd_chunks(args, qk, entering):
@@ -202,14 +201,14 @@ def stage_breakdown(shape, dims, chunk, config, iters, interpret, workers):
         return state_passes.chunk_contributions(geo, operands(args, qk, d_out), adjoint=True)
 
     def bwd_combine(args, local):
-        return state_passes.combine_chunks(geo, local, state_passes.chunk_decays(geo, args[8]),
-                                           jnp.zeros_like(args[10]), reverse=True)[0]
+        return state_passes.combine_chunks(geo, local, state_passes.chunk_decays(geo, args[9]),
+                                           jnp.zeros_like(args[11]), reverse=True)[0]
 
     def bwd_chunks(args, qk, d_out, entering, leaving):
         return chunk_backward.chunk_gradients(geo, operands(args, qk, d_out), entering, leaving)
 
     def qk_grads(args, grads):
-        return qk_gradients.query_key_gradients(geo, *args[:6], grads["dq"], grads["dk"])
+        return qk_gradients.query_key_gradients(geo, *args[:7], grads["dq"], grads["dk"])
 
     def glue_backward(cotangents):   # the VJP of prep (XLA): from the core's cotangents to the op's
         primals, vjp = jax.vjp(prep, *inputs)
@@ -219,7 +218,7 @@ def stage_breakdown(shape, dims, chunk, config, iters, interpret, workers):
         return tuple(qk_g) + (grads["dv"], grads.get("dz"), grads["d_adt"], grads["d_skip"], d_initial)
 
     stages = [("prep (XLA, before the core)", prep, lambda r: inputs),
-              ("fwd 0: per-head q, k̃ (XLA)", queries_keys, lambda r: (r["args"],)),
+              ("fwd 0: per-head q, k̃", queries_keys, lambda r: (r["args"],)),
               ("fwd 1: chunk states", fwd_local, lambda r: (r["args"], r["qk"])),
               ("fwd 2: state combine", fwd_combine, lambda r: (r["args"], r["fwd_local"])),
               ("fwd 3: chunk outputs", fwd_chunks, lambda r: (r["args"], r["qk"], r["entering"])),
@@ -229,10 +228,10 @@ def stage_breakdown(shape, dims, chunk, config, iters, interpret, workers):
                lambda r: (r["args"], r["qk"], r["d_out"], r["entering"], r["leaving"])),
               ("bwd 4: query/key gradients", qk_grads, lambda r: (r["args"], r["grads"])),
               ("bwd 5: glue backward (XLA: the VJP of prep, which it recomputes)", glue_backward,
-               lambda r: (core_cotangents(r["args"], r["qk_g"], r["grads"], r["args"][10]),))]
+               lambda r: (core_cotangents(r["args"], r["qk_g"], r["grads"], r["args"][11]),))]
     # abstract values of every intermediate, so that all stages can be lowered before any runs
     shapes = {"args": jax.eval_shape(prep, *inputs)}
-    shapes["d_out"] = jax.ShapeDtypeStruct(shapes["args"][6].shape, shapes["args"][6].dtype)
+    shapes["d_out"] = jax.ShapeDtypeStruct(shapes["args"][7].shape, shapes["args"][7].dtype)
     shapes["qk"] = jax.eval_shape(queries_keys, shapes["args"])
     shapes["fwd_local"] = jax.eval_shape(fwd_local, shapes["args"], shapes["qk"])
     shapes["entering"] = jax.eval_shape(fwd_combine, shapes["args"], shapes["fwd_local"])
@@ -272,7 +271,7 @@ def _short(cfg):
     return (f"chunk<={cfg.max_chunk} combine-rows{cfg.state_block_p} warps combine/local/out/grad "
             f"{cfg.num_warps_state}/{cfg.num_warps_local}/{cfg.num_warps_chunk}/{cfg.num_warps_grad} "
             f"stages{cfg.num_stages} states-{cfg.stored_state_dtype} "
-            f"{'two' if cfg.split_gradient_kernel else 'one'}-grad-kernel qk-rows{cfg.qk_block_rows}-warps{cfg.num_warps_qk}")
+            f"grad-launches{cfg.gradient_kernels} qk-warps{cfg.num_warps_qk}")
 
 
 def main(argv=None):

@@ -159,47 +159,51 @@ def test_bf16_stored_states_stay_close_to_reference():
     check_against_reference(arrays, states, 16, 2e-2, Mamba3ScanConfig(stored_state_dtype="bfloat16"))
 
 
-@pytest.mark.parametrize("with_z,split", [(True, False), (False, False), (False, True)],
-                         ids=["z-one-kernel", "no-z-one-kernel", "no-z-split"])
-def test_one_or_two_gradient_kernels_match_reference(with_z, split):
-    """dQ in its own launch (config.split_gradient_kernel, the default) or not: the same gradients, from
-    the two formulas for ⟨dY_i, Q_i S_cᵀ⟩ in dADT."""
+@pytest.mark.parametrize("with_z,kernels", [(True, 1), (False, 1), (True, 2), (False, 2), (False, 3)])
+def test_chunk_gradients_in_one_two_or_three_launches_match_reference(with_z, kernels):
+    """config.gradient_kernels (3, the default, is in every other test): the same gradients, each launch
+    with its own share of the products and of the two formulas for ⟨dY_i, Q_i S_cᵀ⟩ in dADT."""
     arrays, states = make_inputs((2, 37, 4, 2, 8, 3, 2), jnp.float32, with_z=with_z, seed=6)
-    check_against_reference(arrays, states, 16, 2e-5, Mamba3ScanConfig(split_gradient_kernel=split, qk_block_rows=16))
+    check_against_reference(arrays, states, 16, 2e-5, Mamba3ScanConfig(gradient_kernels=kernels))
 
 
 @pytest.mark.parametrize("N,S,G,H", [(7, 1, 3, 6), (12, 6, 1, 2), (8, 0, 2, 4), (40, 10, 1, 3)],
                          ids=["rest-padded-groups", "full-rope", "no-angles", "three-heads"])
 def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H):
-    """The per-head q, k̃ kernel against queries_keys.head_queries_keys, and the query/key gradient
-    kernel against JAX's VJP of it (every cotangent: Q, K, both biases, scale, angles)."""
+    """The per-head q, k̃ kernel against queries_keys.head_queries_keys at the angles of
+    queries_keys.position_angles, and the query/key gradient kernel against JAX's VJP of the two (every
+    cotangent: Q, K, both biases, scale, angle increments, angles entering the chunks)."""
     from pallas_kernels.mamba3_siso import qk_gradients, queries_keys
 
     bsz, T = 2, 32
     geo = make_geometry(batch=bsz, seqlen=T, heads=H, groups=G, headdim=16, d_state=N, num_angles=S, chunk_size=16,
-                        has_z=False, matmul_dtype=jnp.float32, io_dtype=jnp.float32, interpret=True,
-                        config=Mamba3ScanConfig(qk_block_rows=8))
+                        has_z=False, matmul_dtype=jnp.float32, io_dtype=jnp.float32, interpret=True)
     r = np.random.default_rng(9)
     Np, Sp = geo.padded_state, geo.angle_width
     lay = lambda x: queries_keys.to_kernel_layout(geo, jnp.asarray(x, jnp.float32))
     Q, K = lay(r.normal(size=(bsz, T, G, N))), lay(r.normal(size=(bsz, T, G, N)))
     Q_bias, K_bias = lay(r.normal(size=(H, N))), lay(r.normal(size=(H, N)))
     scale = jnp.asarray(r.uniform(0.01, 0.5, (bsz, T, H)), jnp.float32)
-    theta = None if S == 0 else jnp.pad(jnp.asarray(r.uniform(0, 2 * np.pi, (bsz, T, H, S)), jnp.float32),
-                                        [(0, 0)] * 3 + [(0, Sp - S)])
-    args = (Q, K, Q_bias, K_bias, scale, theta)
+    pad = [(0, 0)] * 3 + [(0, Sp - S)]
+    inc = None if S == 0 else jnp.pad(jnp.asarray(r.uniform(-0.5, 0.5, (bsz, T, H, S)), jnp.float32), pad)
+    entry = None if S == 0 else jnp.pad(jnp.asarray(r.uniform(0, 2 * np.pi, (bsz, T // 16, H, S)), jnp.float32), pad)
+    args = (Q, K, Q_bias, K_bias, scale, inc, entry)
 
-    want, vjp = jax.vjp(functools.partial(queries_keys.head_queries_keys, geo), *args)
+    def reference(Q, K, Q_bias, K_bias, scale, inc, entry):
+        theta = None if inc is None else queries_keys.position_angles(geo, inc, entry)
+        return queries_keys.head_queries_keys(geo, Q, K, Q_bias, K_bias, scale, theta)
+
+    want, vjp = jax.vjp(reference, *args)
     got = queries_keys.head_queries_keys_kernel(geo, *args)
     for name, g, w in zip(("q", "k"), got, want):
-        assert_close(name, g, w, 2e-6)
+        assert_close(name, g, w, 4e-6)
     dq, dk = (jnp.asarray(r.normal(size=(bsz, T, H, Np)), jnp.float32) for _ in range(2))
     got = qk_gradients.query_key_gradients(geo, *args, dq, dk)
-    for name, g, w in zip(("dQ", "dK", "dQ_bias", "dK_bias", "d_scale", "d_theta"), got, vjp((dq, dk))):
+    for name, g, w in zip(("dQ", "dK", "dQ_bias", "dK_bias", "d_scale", "d_inc", "d_entry"), got, vjp((dq, dk))):
         if w is None:
             assert g is None, name
         else:
-            assert_close(name, g, w, 2e-6)
+            assert_close(name, g, w, 4e-6)
 
 
 def test_vmap_jit_and_checkpoint_gradients_match_reference():
@@ -275,14 +279,15 @@ def _lower_for_h200(shape, dtype, *, with_z=True, config=None):
 def test_kernels_lower_to_triton_for_h200(shape, dtype, with_z):
     text = _lower_for_h200(shape, dtype, with_z=with_z)
     # forward: queries/keys, chunk states, state combine, chunk outputs; backward: chunk adjoints,
-    # adjoint combine, chunk gradients (two launches by default), query/key gradients
-    assert text.count("__gpu$xla.gpu.triton") == 9
+    # adjoint combine, chunk gradients (three launches by default), query/key gradients
+    assert text.count("__gpu$xla.gpu.triton") == 10
 
 
-def test_one_gradient_kernel_lowers_for_h200():
-    config = Mamba3ScanConfig(split_gradient_kernel=False, stored_state_dtype="float32", num_warps_grad=8)
+@pytest.mark.parametrize("kernels", [1, 2])
+def test_one_or_two_gradient_launches_lower_for_h200(kernels):
+    config = Mamba3ScanConfig(gradient_kernels=kernels, stored_state_dtype="float32", num_warps_grad=8)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 8
+    assert text.count("__gpu$xla.gpu.triton") == 7 + kernels
 
 
 def test_abstract_lowering_rejects_what_triton_cannot_lower():
@@ -352,7 +357,7 @@ def test_kernel_refuses_a_reset_mask_and_a_bad_config():
 
 
 @pytest.mark.parametrize("field,value", [("state_block_p", 12), ("num_warps_grad", 0), ("min_width", 24),
-                                         ("split_gradient_kernel", 1), ("num_warps_qk", 3),
+                                         ("gradient_kernels", 4), ("num_warps_qk", 3),
                                          ("num_stages", 0), ("max_chunk", 96), ("stored_state_dtype", "float16")])
 def test_bad_config_raises_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -394,12 +399,12 @@ def test_gpu_values_and_cotangents_match_reference(shape, dtype, options, chunk_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("with_z", [True, False], ids=["z", "no-z"])
-def test_gpu_other_kernel_variants_match_reference(with_z):
-    """The non-default launch variants a sweep may pick: one gradient kernel, float32 stored states,
-    8 warps, 64-row query/key gradient programs."""
-    config = Mamba3ScanConfig(split_gradient_kernel=False, stored_state_dtype="float32", num_warps_grad=8,
-                              num_warps_chunk=8, qk_block_rows=64, num_warps_qk=8)
+@pytest.mark.parametrize("with_z,kernels", [(True, 2), (False, 2), (True, 1)])
+def test_gpu_other_kernel_variants_match_reference(with_z, kernels):
+    """The non-default launch variants a sweep may pick: one or three gradient launches, float32 stored
+    states, other warp counts."""
+    config = Mamba3ScanConfig(gradient_kernels=kernels, stored_state_dtype="float32", num_warps_grad=8,
+                              num_warps_chunk=8, num_warps_qk=4)
     arrays, states = make_inputs((3, 1000, 8, 2, 128, 64, 32), jnp.bfloat16, with_z=with_z, seed=8)
     check_against_reference(arrays, states, 64, 2.5e-2, config)
 

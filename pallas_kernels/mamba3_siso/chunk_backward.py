@@ -13,7 +13,10 @@ core.py), with A_ij = ⟨dY_i, v_j⟩, Λ the strictly lower decay matrix and w 
     dskip_i = ⟨dY_i, v_i⟩
     dADT_i = Σ_{i' >= i} r_{i'} + ρ     (r, ρ as in §4.4 step 2; ⟨dY_i, Q_i S_cᵀ⟩ = ⟨dY_i S_c, Q_i⟩)
 
-Eight tensor-core dots (nine with Z), each over the whole d_state.
+Eight tensor-core dots (nine with Z), each over the whole d_state, in one launch or split by
+`config.gradient_kernels` into two (dQ apart) or three (values dV, dZ, dskip / keys dK̃, dADT /
+queries dQ): each launch recomputes the few products it shares with the others (A = dY·Vᵀ, the
+scores), in exchange for fewer live tiles per program (the one-launch kernel spills).
 
 Numerics: float32 everywhere except dot operands (`matmul_dtype`, as in the forward); dV, dZ are
 rounded once to their dtype; dQ, dK̃ and the per-position scalar gradients are float32.
@@ -50,8 +53,8 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
     grid = layout.ChunkGrid(geo)
     mm = geo.matmul_dtype
 
-    def body(refs, *, queries: bool, values_keys: bool):
-        # Phases are ordered so that few [L, Np] / [L, L] tiles are live at once.
+    def body(refs, *, values: bool, keys: bool, queries: bool):
+        """The gradients of the chosen groups: values (dV, dZ, dskip), keys (dK̃, dADT), queries (dQ)."""
         decay = ChunkDecay(refs["adt"][...])
         lam = decay.strictly_lower()
         k, v = refs["k"][...], refs["v"][...]
@@ -62,24 +65,29 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
             dy = d_out * (z * sz)                                       # dY = dO ⊙ silu(Z)
         else:
             dy = d_out
-        attn = dot(dy, v, mm, trans_b=True)                             # A_ij = <dY_i, v_j>
-
-        if values_keys:
-            q, skip = refs["q"][...], refs["skip"][...]
+        if keys or queries:
+            attn = dot(dy, v, mm, trans_b=True)                         # A_ij = <dY_i, v_j>
+        if values or keys:
+            q = refs["q"][...]
             scores = dot(q, k, mm, trans_b=True) * lam                  # recomputed (Q K̃ᵀ) ⊙ Λ
-            q_state = None
-            if geo.has_z or not queries:
-                q_state = dot(q, refs["state"][...], mm, trans_b=True)  # Q·S_cᵀ  [L, Pp]
+            d_state = refs["d_state"][...]
+        q_state = None
+        if (values and geo.has_z) or (keys and not queries):
+            q_state = dot(q, refs["state"][...], mm, trans_b=True)      # Q·S_cᵀ  [L, Pp]
+
+        if values:
+            skip = refs["skip"][...]
             if geo.has_z:                                               # step 1: the gate
                 y = dot(scores, v, mm) + decay.read[:, None] * q_state + skip[:, None] * v.astype(F32)
                 refs["dz"][...] = (d_out * y * sz * (1.0 + z * (1.0 - sz))).astype(refs["dz"].dtype)
-            m = scores * attn                                           # step 2: M = scores ⊙ A
-            r = jnp.sum(m, axis=1) - jnp.sum(m, axis=0)
             refs["d_skip"][...] = jnp.sum(dy * v.astype(F32), axis=1)
-            d_state = refs["d_state"][...]
             dv = (dot(scores, dy, mm, trans_a=True) + skip[:, None] * dy
                   + decay.to_end[:, None] * dot(k, d_state, mm, trans_b=True))
             refs["dv"][...] = dv.astype(refs["dv"].dtype)
+
+        if keys:                                                        # step 2: M = scores ⊙ A
+            m = scores * attn
+            r = jnp.sum(m, axis=1) - jnp.sum(m, axis=0)
             v_ds = dot(v, d_state, mm)                                  # V·dS  [L, Np]
             to_end = decay.to_end * jnp.sum(v_ds * k.astype(F32), axis=1)
             refs["dk"][...] = dot(attn * lam, q, mm, trans_a=True) + decay.to_end[:, None] * v_ds
@@ -89,9 +97,9 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
             dy_state = dot(dy, refs["state"][...], mm)                  # dY·S_c  [L, Np]
             refs["dq"][...] = dot(attn * lam, k, mm) + decay.read[:, None] * dy_state
 
-        if values_keys:
+        if keys:
             # <dY_i, Q_i S_cᵀ> = <dY_i S_c, Q_i>: whichever of the two products this program has
-            diag = (jnp.sum(dy_state * q.astype(F32), axis=1) if q_state is None
+            diag = (jnp.sum(dy_state * q.astype(F32), axis=1) if queries
                     else jnp.sum(dy * q_state, axis=1))
             r = r + decay.read * diag
             # d ADT: r_i − m_i summed from the right, plus ρ = e^{cs_end}<S, dS> + Σ m (spec §4.4 step 2)
@@ -101,23 +109,27 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
     io = jnp.dtype(geo.io_dtype)
     seq = jax.ShapeDtypeStruct((bsz, H, Tp), F32)
     per_head = jax.ShapeDtypeStruct((bsz, Tp, H, Np), F32)
-    states = [("state", entering, grid.chunk_state()), ("d_state", leaving_adjoint, grid.chunk_state())]
-    value_outputs = [("dv", jax.ShapeDtypeStruct((bsz, Tp, H, Pp), io), grid.head_rows(Pp))]
+    outputs = {"values": [("dv", jax.ShapeDtypeStruct((bsz, Tp, H, Pp), io), grid.head_rows(Pp)),
+                          ("d_skip", seq, grid.sequence())],
+               "keys": [("dk", per_head, grid.head_rows(Np)), ("d_adt", seq, grid.sequence())],
+               "queries": [("dq", per_head, grid.head_rows(Np))]}
     if geo.has_z:
-        value_outputs.append(("dz", jax.ShapeDtypeStruct((bsz, Tp, H, Pp), jnp.dtype(ops["z"].dtype)),
-                              grid.head_rows(Pp)))
-    value_outputs += [("dk", per_head, grid.head_rows(Np)), ("d_adt", seq, grid.sequence()),
-                      ("d_skip", seq, grid.sequence())]
-    query_outputs = [("dq", per_head, grid.head_rows(Np))]
-    warps = geo.config.num_warps_grad
-    if not geo.config.split_gradient_kernel:
-        inputs = chunk_inputs(geo, grid, ops, ["q", "k", "v", "z", "d_out", "adt", "skip"]) + states
-        return layout.run_kernel(functools.partial(body, queries=True, values_keys=True), geo, grid, inputs,
-                                 value_outputs + query_outputs, "mamba3_siso_bwd_chunk_gradients", warps)
-    inputs = chunk_inputs(geo, grid, ops, ["q", "k", "v", "z", "d_out", "adt", "skip"]) + states
-    grads = layout.run_kernel(functools.partial(body, queries=False, values_keys=True), geo, grid, inputs,
-                              value_outputs, "mamba3_siso_bwd_chunk_gradients", warps)
-    inputs = chunk_inputs(geo, grid, ops, ["k", "v", "z", "d_out", "adt"]) + states[:1]
-    grads.update(layout.run_kernel(functools.partial(body, queries=True, values_keys=False), geo, grid, inputs,
-                                   query_outputs, "mamba3_siso_bwd_chunk_query_gradients", warps))
+        outputs["values"].append(("dz", jax.ShapeDtypeStruct((bsz, Tp, H, Pp), jnp.dtype(ops["z"].dtype)),
+                                  grid.head_rows(Pp)))
+    reads = {"values": {"q", "k", "v", "z", "d_out", "adt", "skip", "state", "d_state"},
+             "keys": {"q", "k", "v", "z", "d_out", "adt", "state", "d_state"},
+             "queries": {"k", "v", "z", "d_out", "adt", "state"}}
+    launches = {1: [("values", "keys", "queries")], 2: [("values", "keys"), ("queries",)],
+                3: [("values",), ("keys",), ("queries",)]}[geo.config.gradient_kernels]
+    arrays = dict(ops, state=entering, d_state=leaving_adjoint)
+    specs = {"state": grid.chunk_state(), "d_state": grid.chunk_state()}
+    grads = {}
+    for groups in launches:
+        names = set().union(*(reads[g] for g in groups))
+        inputs = chunk_inputs(geo, grid, ops, [n for n in ("q", "k", "v", "z", "d_out", "adt", "skip") if n in names])
+        inputs += [(n, arrays[n], specs[n]) for n in ("state", "d_state") if n in names]
+        grads.update(layout.run_kernel(
+            functools.partial(body, **{g: g in groups for g in ("values", "keys", "queries")}), geo, grid, inputs,
+            [o for g in groups for o in outputs[g]], "mamba3_siso_bwd_chunk_gradients_" + "_".join(groups),
+            geo.config.num_warps_grad))
     return grads

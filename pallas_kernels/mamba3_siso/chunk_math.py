@@ -11,10 +11,24 @@ Names: a chunk holds L positions; the state S [Pp, Np] maps a query q [Np] to y 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 F32 = jnp.float32
+TWO_PI = 2.0 * math.pi
+
+
+def wrap_angle(theta):
+    """θ mod 2π into [0, 2π) (floor-mod, like jnp.mod; its derivative is taken as 1)."""
+    return theta - TWO_PI * jnp.floor(theta * (1.0 / TWO_PI))
+
+
+def chunk_angles(inc, theta_entry):
+    """[L, Sp] θ_i = (θ_entry + Σ_{r <= i} inc_r) mod 2π: inc [L, Sp] angle increments, theta_entry [Sp]
+    the wrapped angle entering the chunk (each term below 2π·(1 + L): ~L·2π·2^-24 rad rounding)."""
+    return wrap_angle(theta_entry[None, :] + jnp.cumsum(inc, axis=0))
 
 
 def sigmoid(x):

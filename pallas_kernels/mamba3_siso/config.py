@@ -54,9 +54,6 @@ class Mamba3ScanConfig:
       num_warps_chunk: Triton warps of the forward chunk-output kernel.
       num_warps_grad: Triton warps of the backward chunk-gradient kernel(s).
       num_warps_qk: Triton warps of the query/key gradient kernel.
-      qk_block_rows: positions per program of the query/key gradient kernel (at most the chunk).
-      split_gradient_kernel: compute dQ in a second, light launch (recomputing A = dY·Vᵀ) instead of
-        in the chunk-gradient kernel: fewer live tiles per program, one more launch.
       num_stages: Triton software-pipelining depth of every kernel.
       min_width: smallest padded d_state or headdim (tl.dot needs dims >= 16).
       min_chunk, max_chunk: the range the op's chunk_size is clamped to (powers of two).
@@ -72,9 +69,8 @@ class Mamba3ScanConfig:
     num_warps_local: int = 4
     num_warps_chunk: int = 4
     num_warps_grad: int = 4
-    split_gradient_kernel: bool = True
-    num_warps_qk: int = 4
-    qk_block_rows: int = 32
+    gradient_kernels: int = 3
+    num_warps_qk: int = 8
     num_stages: int = 1
     min_width: int = 16
     min_chunk: int = 16
@@ -83,7 +79,7 @@ class Mamba3ScanConfig:
 
     def validate(self) -> "Mamba3ScanConfig":
         for name in ("state_block_p", "num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad",
-                     "num_warps_qk", "qk_block_rows", "min_width", "min_chunk", "max_chunk"):
+                     "num_warps_qk", "min_width", "min_chunk", "max_chunk"):
             v = getattr(self, name)
             if not _is_power_of_2(v):
                 raise ValueError(f"Mamba3ScanConfig.{name} must be a positive power of two, got {v!r}")
@@ -91,18 +87,18 @@ class Mamba3ScanConfig:
             raise ValueError(f"Mamba3ScanConfig.min_chunk ({self.min_chunk}) must be <= max_chunk ({self.max_chunk})")
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"Mamba3ScanConfig.num_stages must be a positive int, got {self.num_stages!r}")
-        if not isinstance(self.split_gradient_kernel, bool):
-            raise ValueError(f"Mamba3ScanConfig.split_gradient_kernel must be a bool, "
-                             f"got {self.split_gradient_kernel!r}")
+        if isinstance(self.gradient_kernels, bool) or self.gradient_kernels not in (1, 2, 3):
+            raise ValueError(f"Mamba3ScanConfig.gradient_kernels must be 1, 2 or 3, got {self.gradient_kernels!r}")
         if self.stored_state_dtype not in STORED_STATE_DTYPES:
             raise ValueError(f"Mamba3ScanConfig.stored_state_dtype must be one of {STORED_STATE_DTYPES}, "
                              f"got {self.stored_state_dtype!r}")
         return self
 
 
-# Frozen default for the PERF.md shape (H=24, P=64, N=128, chunk 64): the gradient kernel at 4 warps
-# (2 CTAs per SM) measured 1.85 ms faster than at 8 on the H200; benchmarks/notes_mamba3_scan.md has
-# the sweep and the register / barrier analysis behind the other values.
+# Frozen default for the PERF.md shape (H=24, P=64, N=128, chunk 64), from the H200 sweeps and the
+# register / spill / barrier counts in benchmarks/notes_mamba3_scan.md: 4 warps for the dot kernels
+# (2 CTAs per SM), chunk gradients in three launches (the one- and two-launch kernels spill), chunk
+# states stored in the dot operand dtype, 8 warps for the query/key kernels (no spills).
 DEFAULT_CONFIG = Mamba3ScanConfig()
 
 
@@ -179,11 +175,6 @@ class ScanGeometry:
             out.append((f"rest{start}", start, width))
             start, left = start + width, left - width
         return tuple(out)
-
-    @property
-    def qk_rows(self) -> int:
-        """Rows (positions) per program of the query/key gradient kernel."""
-        return min(self.config.qk_block_rows, self.chunk)
 
     @property
     def state_block_p(self) -> int:

@@ -18,8 +18,8 @@ still fits Triton's three:
   chunk grid  program (b, c, h), h fastest: one chunk of one head per program;
   state grid  program (b, h, j): j = block of `state_block_p` headdim rows; each walks all chunks
               (the combine of state_passes.py);
-  group grid  program (b, t, g): t = block of `qk_rows` positions, g = group; each walks the heads of
-              its group (the query/key kernels). Per-head arrays are viewed as [Bt, Tp, G, H/G, ...]
+  group grid  program (b, c, g): c = chunk, g = group; each walks the heads of its group (the
+              query/key kernels). Per-head arrays are viewed as [Bt, Tp, G, H/G, ...]
               (a free reshape); the H/G axis of a block need not be a power of two, since a program
               only ever loads one head of it (a dynamic index).
 """
@@ -105,20 +105,20 @@ class StateGrid:
 
 @dataclasses.dataclass(frozen=True)
 class GroupGrid:
-    """Programs (b, t, g) over batch rows, blocks of positions and groups; each walks its group's heads."""
+    """Programs (b, c, g) over batch rows, chunks and groups; each walks its group's heads."""
 
     geo: ScanGeometry
 
     @property
     def blocks(self):
-        return self.geo.padded_seqlen // self.geo.qk_rows
+        return self.geo.n_chunks
 
     @property
     def size(self):
         return (self.geo.batch * self.blocks * self.geo.groups,)
 
     def index(self, p):
-        """(batch row, block, group) of program p."""
+        """(batch row, chunk, group) of program p."""
         g = self.geo.groups
         return p // (self.blocks * g), (p // g) % self.blocks, p % g
 
@@ -130,17 +130,17 @@ class GroupGrid:
     # ---- block specs
     def group_rows(self):
         """[Bt, Tp, G, Np] (Q, K and their gradients): a [rows, Np] block."""
-        return pl.BlockSpec((None, self.geo.qk_rows, None, self.geo.padded_state),
+        return pl.BlockSpec((None, self.geo.chunk, None, self.geo.padded_state),
                             lambda p: self.index(p) + (0,))
 
     def head_rows(self, width):
         """per_head([Bt, Tp, H, width]): a [rows, H/G, width] block."""
-        return pl.BlockSpec((None, self.geo.qk_rows, None, self.geo.heads_per_group, width),
+        return pl.BlockSpec((None, self.geo.chunk, None, self.geo.heads_per_group, width),
                             lambda p: self.index(p) + (0, 0))
 
     def head_scalars(self):
         """per_head([Bt, Tp, H]): a [rows, H/G] block."""
-        return pl.BlockSpec((None, self.geo.qk_rows, None, self.geo.heads_per_group),
+        return pl.BlockSpec((None, self.geo.chunk, None, self.geo.heads_per_group),
                             lambda p: self.index(p) + (0,))
 
     def biases(self):
@@ -148,10 +148,10 @@ class GroupGrid:
         return pl.BlockSpec((None, self.geo.heads_per_group, self.geo.padded_state),
                             lambda p: (self.index(p)[2], 0, 0))
 
-    def block_partials(self):
-        """[Bt, blocks, G, H/G, Np] (per-block partial sums): the program's [H/G, Np] block."""
-        return pl.BlockSpec((None, None, None, self.geo.heads_per_group, self.geo.padded_state),
-                            lambda p: self.index(p) + (0, 0))
+    def per_chunk(self, width):
+        """[Bt, nc, G, H/G, width] (per-chunk values: entering angles, partial sums): the program's
+        [H/G, width] block."""
+        return pl.BlockSpec((None, None, None, self.geo.heads_per_group, width), lambda p: self.index(p) + (0, 0))
 
 
 def run_kernel(body, geo: ScanGeometry, grid, inputs, outputs, name, num_warps):

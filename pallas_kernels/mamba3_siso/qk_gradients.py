@@ -8,6 +8,9 @@ k̃ = s·R(θ)ȳ (queries_keys.py), the backward is
     dȳ_h = s·R(θ)ᵀ dk̃_h                        dK[g]  = Σ_{h in g} dȳ_h,     dK_bias[h] = Σ_{b,t} dȳ_h
     ds_h = ⟨ȳ_h, R(θ)ᵀ dk̃_h⟩                   dθ_h   = ∂θ⟨dq_h, R(θ)x̄_h⟩ + s·∂θ⟨dk̃_h, R(θ)ȳ_h⟩
 
+and, with θ_t = (θ_entry + Σ_{r <= t in the chunk} inc_r) mod 2π (formed here again from inc, as the
+forward kernel does), d inc_t = Σ_{t' >= t in the chunk} dθ_t' and dθ_entry = Σ_{chunk} dθ.
+
 XLA's autodiff of queries_keys.head_queries_keys took ~1.25 ms for this at the PERF.md shape (several
 passes over the 400 MB of float32 per-head gradients). Here one program per (batch row, block of
 positions, group) (layout.GroupGrid) reads each per-head gradient once, walks the heads of its group
@@ -26,22 +29,23 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.mamba3_siso import layout
-from pallas_kernels.mamba3_siso.chunk_math import F32, angle_gradient, rotate_back
+from pallas_kernels.mamba3_siso.chunk_math import F32, angle_gradient, chunk_angles, reverse_cumsum, rotate_back
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 
 
-def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta, dq, dk):
+def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc, theta_entry, dq, dk):
     """Args (kernel layout, config.py):
       Q, K: [Bt, Tp, G, Np] activation dtype; Q_bias, K_bias: [H, Np] float32; scale: [Bt, Tp, H] float32;
-      theta: [Bt, Tp, H, Sp] float32 or None; dq, dk: [Bt, Tp, H, Np] float32 gradients of q, k̃.
+      inc: [Bt, Tp, H, Sp], theta_entry: [Bt, nc, H, Sp] float32, or both None (no angles);
+      dq, dk: [Bt, Tp, H, Np] float32 gradients of q, k̃.
 
     Returns:
       (dQ, dK [Bt, Tp, G, Np] float32, dQ_bias, dK_bias [H, Np] float32, d_scale [Bt, Tp, H] float32,
-       d_theta [Bt, Tp, H, Sp] float32 or None).
+       d_inc [Bt, Tp, H, Sp] and d_theta_entry [Bt, nc, H, Sp] float32, or both None).
     """
     grid = layout.GroupGrid(geo)
     pieces = geo.pieces
-    rotated = theta is not None
+    rotated = inc is not None
 
     def body(refs):
         def load(ref, name, head=None):
@@ -59,7 +63,7 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta, d
             dq_sum, dk_sum = sums
             rotation = None
             if rotated:
-                angle = refs["theta"][:, j, :]
+                angle = chunk_angles(refs["inc"][:, j, :], refs["theta_entry"][j, :])
                 rotation = (jnp.cos(angle), jnp.sin(angle))
             s = refs["scale"][:, j]
             dq_h = {n: load(refs["dq"], n, j) for n, _, _ in pieces}
@@ -78,11 +82,12 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta, d
                 dk_sum[n] = dk_sum[n] + dk_bar
             refs["d_scale"][:, j] = d_scale
             if rotated:
-                refs["d_theta"][:, j, :] = (angle_gradient(dq_h, x, rotation)
-                                            + s[:, None] * angle_gradient(dk_h, y, rotation))
+                d_angle = angle_gradient(dq_h, x, rotation) + s[:, None] * angle_gradient(dk_h, y, rotation)
+                refs["d_inc"][:, j, :] = reverse_cumsum(d_angle, axis=0)
+                refs["d_theta_entry"][j, :] = jnp.sum(d_angle, axis=0)
             return dq_sum, dk_sum
 
-        zeros = {n: jnp.zeros((geo.qk_rows, w), F32) for n, _, w in pieces}
+        zeros = {n: jnp.zeros((geo.chunk, w), F32) for n, _, w in pieces}
         dq_sum, dk_sum = jax.lax.fori_loop(0, geo.heads_per_group, head_step, (zeros, dict(zeros)))
         for n, start, width in pieces:
             refs["dQ"][:, pl.ds(start, width)] = dq_sum[n]
@@ -94,16 +99,20 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta, d
               ("Q_bias", Q_bias.reshape(G, hpg, Np), grid.biases()), ("K_bias", K_bias.reshape(G, hpg, Np), grid.biases()),
               ("scale", grid.per_head(scale), grid.head_scalars()),
               ("dq", grid.per_head(dq), grid.head_rows(Np)), ("dk", grid.per_head(dk), grid.head_rows(Np)),
-              ("theta", None if theta is None else grid.per_head(theta), grid.head_rows(Sp))]
-    partials = jax.ShapeDtypeStruct((bsz, grid.blocks, G, hpg, Np), F32)
+              ("inc", None if inc is None else grid.per_head(inc), grid.head_rows(Sp)),
+              ("theta_entry", None if inc is None else grid.per_head(theta_entry), grid.per_chunk(Sp))]
+    nc = geo.n_chunks
+    partials = jax.ShapeDtypeStruct((bsz, nc, G, hpg, Np), F32)
     outputs = [("dQ", jax.ShapeDtypeStruct((bsz, Tp, G, Np), F32), grid.group_rows()),
                ("dK", jax.ShapeDtypeStruct((bsz, Tp, G, Np), F32), grid.group_rows()),
-               ("dqb", partials, grid.block_partials()), ("dkb", partials, grid.block_partials()),
+               ("dqb", partials, grid.per_chunk(Np)), ("dkb", partials, grid.per_chunk(Np)),
                ("d_scale", jax.ShapeDtypeStruct((bsz, Tp, G, hpg), F32), grid.head_scalars())]
     if rotated:
-        outputs.append(("d_theta", jax.ShapeDtypeStruct((bsz, Tp, G, hpg, Sp), F32), grid.head_rows(Sp)))
+        outputs += [("d_inc", jax.ShapeDtypeStruct((bsz, Tp, G, hpg, Sp), F32), grid.head_rows(Sp)),
+                    ("d_theta_entry", jax.ShapeDtypeStruct((bsz, nc, G, hpg, Sp), F32), grid.per_chunk(Sp))]
     out = layout.run_kernel(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients",
                             geo.config.num_warps_qk)
-    d_theta = out["d_theta"].reshape(bsz, Tp, H, Sp) if rotated else None
+    d_inc = out["d_inc"].reshape(bsz, Tp, H, Sp) if rotated else None
+    d_entry = out["d_theta_entry"].reshape(bsz, nc, H, Sp) if rotated else None
     return (out["dQ"], out["dK"], out["dqb"].sum(axis=(0, 1)).reshape(H, Np), out["dkb"].sum(axis=(0, 1)).reshape(H, Np),
-            out["d_scale"].reshape(bsz, Tp, H), d_theta)
+            out["d_scale"].reshape(bsz, Tp, H), d_inc, d_entry)

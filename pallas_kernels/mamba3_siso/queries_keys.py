@@ -7,9 +7,10 @@ Why a separate step: formed once here and rounded once to the dot operand dtype,
 chunk kernel do each product as one dot over the whole d_state. In the kernel layout the rotation is
 elementwise between the contiguous even and odd pieces. `head_queries_keys_kernel` is the Pallas
 kernel the core runs (one program per (batch row, block of positions, group), layout.GroupGrid: it
-reads Q, K once and writes each head's q, k̃ piece by piece); `head_queries_keys` is its pure-JAX
-reference (XLA took ~0.3 ms for it at the PERF.md shape; JAX differentiates it in tests). The
-backward is the query/key gradient kernel (qk_gradients.py).
+reads Q, K once, forms each head's angles θ_t = (θ_entry + Σ_{r <= t in the chunk} inc_r) mod 2π from
+the increments, and writes each head's q, k̃ piece by piece); `head_queries_keys` with
+`position_angles` is its pure-JAX reference (XLA took ~0.4 ms for the two at the PERF.md shape; JAX
+differentiates them in tests). The backward is the query/key gradient kernel (qk_gradients.py).
 
 Numerics: float32 throughout; q, k̃ rounded once to the dot operand dtype.
 """
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.mamba3_siso import layout
-from pallas_kernels.mamba3_siso.chunk_math import rotate
+from pallas_kernels.mamba3_siso.chunk_math import chunk_angles, rotate
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 
 F32 = jnp.float32
@@ -66,6 +67,16 @@ def from_kernel_layout(geo: ScanGeometry, y):
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
 
 
+def position_angles(geo: ScanGeometry, inc, theta_entry):
+    """[Bt, Tp, H, Sp] θ_t = (θ entering t's chunk + Σ_{r <= t in the chunk} inc_r) mod 2π (float32).
+
+    inc: [Bt, Tp, H, Sp]; theta_entry: [Bt, nc, H, Sp] wrapped angles entering each chunk.
+    """
+    bsz, Tp, H, Sp = inc.shape
+    within = jnp.cumsum(inc.reshape(bsz, geo.n_chunks, geo.chunk, H, Sp), axis=2)
+    return jnp.mod(theta_entry[:, :, None] + within, 2.0 * jnp.pi).reshape(bsz, Tp, H, Sp)
+
+
 def head_queries_keys(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta):
     """(q, k̃) per head, float32 [Bt, Tp, H, Np], kernel layout.
 
@@ -88,8 +99,14 @@ def head_queries_keys(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta):
     return per_head(Q, Q_bias), per_head(K, K_bias) * scale[..., None]
 
 
-def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta):
-    """Pallas version of `head_queries_keys`, rounded to the dot operand dtype: (q, k̃) [Bt, Tp, H, Np]."""
+def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc, theta_entry):
+    """Pallas version of `head_queries_keys` at θ = `position_angles(inc, theta_entry)`, rounded to the
+    dot operand dtype: (q, k̃) [Bt, Tp, H, Np].
+
+    inc: [Bt, Tp, H, Sp] angle increments and theta_entry: [Bt, nc, H, Sp] angles entering each chunk
+    (float32, zero-padded from S to Sp), or both None (no angles); the other arguments as for
+    `head_queries_keys`.
+    """
     grid = layout.GroupGrid(geo)
     pieces = geo.pieces
     mm = jnp.dtype(geo.matmul_dtype)
@@ -99,8 +116,8 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, the
 
         def head_step(j, carry):
             rotation = None
-            if theta is not None:
-                angle = refs["theta"][:, j, :]
+            if inc is not None:
+                angle = chunk_angles(refs["inc"][:, j, :], refs["theta_entry"][j, :])
                 rotation = (jnp.cos(angle), jnp.sin(angle))
             s = refs["scale"][:, j]
             for p, out in (("Q", "q"), ("K", "k")):
@@ -118,7 +135,8 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, the
     inputs = [("Q", Q, grid.group_rows()), ("K", K, grid.group_rows()),
               ("Q_bias", Q_bias.reshape(G, hpg, Np), grid.biases()), ("K_bias", K_bias.reshape(G, hpg, Np), grid.biases()),
               ("scale", grid.per_head(scale), grid.head_scalars()),
-              ("theta", None if theta is None else grid.per_head(theta), grid.head_rows(geo.angle_width))]
+              ("inc", None if inc is None else grid.per_head(inc), grid.head_rows(geo.angle_width)),
+              ("theta_entry", None if inc is None else grid.per_head(theta_entry), grid.per_chunk(geo.angle_width))]
     per_head = jax.ShapeDtypeStruct((bsz, Tp, G, hpg, Np), mm)
     out = layout.run_kernel(body, geo, grid, inputs,
                             [("q", per_head, grid.head_rows(Np)), ("k", per_head, grid.head_rows(Np))],

@@ -13,8 +13,8 @@ query/key operands of queries_keys.py) is hand-differentiated.
                  skip = D + γ⟨q̄, k̄⟩ (expanded so that no [Bt, T, H, N] array is formed),
                  inc = π·tanh(Angles)·DT                                            [Bt, T, H(, S)]
   per chunk      the angle entering each chunk: a triangular matmul over the wrapped chunk sums of
-                 inc, wrapped again (chunk_entry_angles); then the angle at every position:
-                 θ_t = (θ_entry + Σ_{r <= t in the chunk} inc_r) mod 2π (position_angles)
+                 inc, wrapped again (chunk_entry_angles); the query/key kernels form the angle at
+                 every position, θ_t = (θ_entry + Σ_{r <= t in the chunk} inc_r) mod 2π
   initial state  S_0 = h_{-1} + DT_0(1 − λ_0)·v_{-1}k_{-1}ᵀ (the β_0 term folded in, §4.1)
   final states   angle = the wrapped total; ssm from the core; k = R(θ_{T-1})(K_{T-1} + K_bias);
                  v = V_{T-1}
@@ -83,7 +83,7 @@ def mamba3_siso_scan_pallas(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z
 
 def prepare(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, initial_states, *, chunk_size, config=None,
             interpret=False):
-    """The plain-JAX part before the kernels: (geometry, the 11 arguments of `chunked_core` after
+    """The plain-JAX part before the kernels: (geometry, the 12 arguments of `chunked_core` after
     `geo`, the final angle [Bt, H, S])."""
     bsz, T, H, P = V.shape
     G, N = Q.shape[2:]
@@ -109,19 +109,18 @@ def prepare(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, initial_states
         angle0, h0, k0, v0 = (x.astype(F32) for x in initial_states)
         s0 = h0 + prev_weight[:, 0, :, None, None] * v0[..., :, None] * k0[..., None, :]
 
-    theta = None
+    inc = theta_entry = None
     theta_final = angle0
     if S:
         inc = math.pi * jnp.tanh(Angles.astype(F32)) * dt[..., None]     # [Bt, T, H, S]
         theta_entry, theta_final = chunk_entry_angles(geo, inc, angle0)
-        theta = position_angles(geo, inc, theta_entry)
+        pad = [(0, 0)] * 3 + [(0, geo.angle_width - S)]
+        inc, theta_entry = jnp.pad(_pad_time(geo, inc), pad), jnp.pad(theta_entry, pad)
 
-    if theta is not None and geo.angle_width > S:
-        theta = jnp.pad(theta, [(0, 0)] * 3 + [(0, geo.angle_width - S)])
     core_args = (
         to_kernel_layout(geo, _pad_time(geo, Q)), to_kernel_layout(geo, _pad_time(geo, K)),
         to_kernel_layout(geo, Q_bias.astype(F32)), to_kernel_layout(geo, K_bias.astype(F32)),
-        _pad_time(geo, scale), theta,
+        _pad_time(geo, scale), inc, theta_entry,
         _pad_headdim(geo, _pad_time(geo, V)), None if Z is None else _pad_headdim(geo, _pad_time(geo, Z)),
         _sequence(geo, ADT.astype(F32)), _sequence(geo, skip),
         _pad_headdim(geo, to_kernel_layout(geo, s0), axis=2))
@@ -157,17 +156,6 @@ def chunk_entry_angles(geo: ScanGeometry, inc, angle0):
     before = jnp.tril(jnp.ones((nc + 1, nc + 1), F32))
     running = jnp.mod(jnp.einsum("ck,bkhs->bchs", before, terms, precision=HI), TWO_PI)
     return running[:, :-1], running[:, -1]
-
-
-def position_angles(geo: ScanGeometry, inc, theta_entry):
-    """[Bt, Tp, H, S] θ_t = (θ entering t's chunk + Σ_{r <= t in the chunk} inc_r) mod 2π (float32).
-
-    inc: [Bt, T, H, S]; theta_entry: [Bt, nc, H, S] wrapped angles entering each chunk. Each term is
-    below 2π·(1 + L), so the in-chunk sum loses at most ~L·2π·2^-24 rad to rounding.
-    """
-    bsz, _, H, S = inc.shape
-    within = jnp.cumsum(_pad_time(geo, inc).reshape(bsz, geo.n_chunks, geo.chunk, H, S), axis=2)
-    return jnp.mod(theta_entry[:, :, None] + within, TWO_PI).reshape(bsz, geo.padded_seqlen, H, S)
 
 
 def _pad_time(geo: ScanGeometry, x, axis=1):
