@@ -167,9 +167,10 @@ def test_chunk_gradients_in_one_two_or_three_launches_match_reference(with_z, ke
     check_against_reference(arrays, states, 16, 2e-5, Mamba3ScanConfig(gradient_kernels=kernels))
 
 
-@pytest.mark.parametrize("N,S,G,H", [(7, 1, 3, 6), (12, 6, 1, 2), (8, 0, 2, 4), (40, 10, 1, 3)],
-                         ids=["rest-padded-groups", "full-rope", "no-angles", "three-heads"])
-def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H):
+@pytest.mark.parametrize("N,S,G,H,splits", [(7, 1, 3, 6, 4), (7, 1, 3, 6, 1), (12, 6, 1, 2, 4), (8, 0, 2, 4, 4),
+                                            (40, 10, 1, 3, 4)],
+                         ids=["rest-padded-groups", "one-slice-per-group", "full-rope", "no-angles", "three-heads"])
+def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits):
     """The per-head q, k̃ kernel against queries_keys.head_queries_keys at the angles of
     queries_keys.position_angles, and the query/key gradient kernel against JAX's VJP of the two (every
     cotangent: Q, K, both biases, scale, angle increments, angles entering the chunks)."""
@@ -177,7 +178,9 @@ def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H):
 
     bsz, T = 2, 32
     geo = make_geometry(batch=bsz, seqlen=T, heads=H, groups=G, headdim=16, d_state=N, num_angles=S, chunk_size=16,
-                        has_z=False, matmul_dtype=jnp.float32, io_dtype=jnp.float32, interpret=True)
+                        has_z=False, matmul_dtype=jnp.float32, io_dtype=jnp.float32, interpret=True,
+                        config=Mamba3ScanConfig(qk_head_splits=splits))
+    assert geo.qk_splits == min(splits, H // G)      # heads per group: 2, 2, 2, 3
     r = np.random.default_rng(9)
     Np, Sp = geo.padded_state, geo.angle_width
     lay = lambda x: queries_keys.to_kernel_layout(geo, jnp.asarray(x, jnp.float32))
@@ -358,6 +361,7 @@ def test_kernel_refuses_a_reset_mask_and_a_bad_config():
 
 @pytest.mark.parametrize("field,value", [("state_block_p", 12), ("num_warps_grad", 0), ("min_width", 24),
                                          ("gradient_kernels", 4), ("num_warps_qk", 3),
+                                         ("qk_head_splits", 0),
                                          ("num_stages", 0), ("max_chunk", 96), ("stored_state_dtype", "float16")])
 def test_bad_config_raises_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -53,7 +53,10 @@ class Mamba3ScanConfig:
       num_warps_local: Triton warps of the per-chunk state / adjoint contribution kernels.
       num_warps_chunk: Triton warps of the forward chunk-output kernel.
       num_warps_grad: Triton warps of the backward chunk-gradient kernel(s).
-      num_warps_qk: Triton warps of the query/key gradient kernel.
+      num_warps_qk: Triton warps of the two query/key kernels.
+      qk_head_splits: the heads of a group are split over this many programs of the query/key kernels
+        (the largest divisor of heads-per-group not above it is used): more programs in flight, and
+        as many partial group sums of dQ, dK for XLA to add.
       num_stages: Triton software-pipelining depth of every kernel.
       min_width: smallest padded d_state or headdim (tl.dot needs dims >= 16).
       min_chunk, max_chunk: the range the op's chunk_size is clamped to (powers of two).
@@ -71,6 +74,7 @@ class Mamba3ScanConfig:
     num_warps_grad: int = 4
     gradient_kernels: int = 3
     num_warps_qk: int = 8
+    qk_head_splits: int = 4
     num_stages: int = 1
     min_width: int = 16
     min_chunk: int = 16
@@ -87,6 +91,8 @@ class Mamba3ScanConfig:
             raise ValueError(f"Mamba3ScanConfig.min_chunk ({self.min_chunk}) must be <= max_chunk ({self.max_chunk})")
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"Mamba3ScanConfig.num_stages must be a positive int, got {self.num_stages!r}")
+        if isinstance(self.qk_head_splits, bool) or not isinstance(self.qk_head_splits, int) or self.qk_head_splits < 1:
+            raise ValueError(f"Mamba3ScanConfig.qk_head_splits must be a positive int, got {self.qk_head_splits!r}")
         if isinstance(self.gradient_kernels, bool) or self.gradient_kernels not in (1, 2, 3):
             raise ValueError(f"Mamba3ScanConfig.gradient_kernels must be 1, 2 or 3, got {self.gradient_kernels!r}")
         if self.stored_state_dtype not in STORED_STATE_DTYPES:
@@ -157,6 +163,12 @@ class ScanGeometry:
     @property
     def has_angles(self) -> bool:
         return self.num_angles > 0
+
+    @property
+    def qk_splits(self) -> int:
+        """Programs sharing the heads of one group in the query/key kernels (divides heads_per_group)."""
+        hpg = self.heads_per_group
+        return max(d for d in range(1, min(self.config.qk_head_splits, hpg) + 1) if hpg % d == 0)
 
     @property
     def rest_width(self) -> int:

@@ -18,10 +18,11 @@ still fits Triton's three:
   chunk grid  program (b, c, h), h fastest: one chunk of one head per program;
   state grid  program (b, h, j): j = block of `state_block_p` headdim rows; each walks all chunks
               (the combine of state_passes.py);
-  group grid  program (b, c, g): c = chunk, g = group; each walks the heads of its group (the
-              query/key kernels). Per-head arrays are viewed as [Bt, Tp, G, H/G, ...]
-              (a free reshape); the H/G axis of a block need not be a power of two, since a program
-              only ever loads one head of it (a dynamic index).
+  group grid  program (b, c, g, j): c = chunk, g = group, j = one of `qk_splits` slices of the
+              group's heads; each walks the heads of its slice (the query/key kernels). Per-head
+              arrays are viewed as [Bt, Tp, G, splits, heads per slice, ...] (a free reshape); that
+              last axis of a block need not be a power of two, since a program only ever loads one
+              head of it (a dynamic index).
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ class StateGrid:
 
 @dataclasses.dataclass(frozen=True)
 class GroupGrid:
-    """Programs (b, c, g) over batch rows, chunks and groups; each walks its group's heads."""
+    """Programs (b, c, g, j) over batch rows, chunks, groups and slices of the group's heads; each walks
+    the heads of its slice."""
 
     geo: ScanGeometry
 
@@ -114,44 +116,53 @@ class GroupGrid:
         return self.geo.n_chunks
 
     @property
+    def splits(self):
+        return self.geo.qk_splits
+
+    @property
+    def heads_per_slice(self):
+        return self.geo.heads_per_group // self.splits
+
+    @property
     def size(self):
-        return (self.geo.batch * self.blocks * self.geo.groups,)
+        return (self.geo.batch * self.blocks * self.geo.groups * self.splits,)
 
     def index(self, p):
-        """(batch row, chunk, group) of program p."""
-        g = self.geo.groups
-        return p // (self.blocks * g), (p // g) % self.blocks, p % g
+        """(batch row, chunk, group, slice) of program p."""
+        g, j = self.geo.groups, self.splits
+        return p // (self.blocks * g * j), (p // (g * j)) % self.blocks, (p // j) % g, p % j
 
     def per_head(self, x):
-        """[Bt, Tp, H, ...] -> [Bt, Tp, G, H/G, ...] (free reshape)."""
-        g = self.geo
-        return x.reshape(x.shape[:2] + (g.groups, g.heads_per_group) + x.shape[3:])
+        """[Bt, Tp (or nc), H, ...] -> [Bt, Tp, G, splits, heads per slice, ...] (free reshape)."""
+        return x.reshape(x.shape[:2] + (self.geo.groups, self.splits, self.heads_per_slice) + x.shape[3:])
 
     # ---- block specs
     def group_rows(self):
-        """[Bt, Tp, G, Np] (Q, K and their gradients): a [rows, Np] block."""
-        return pl.BlockSpec((None, self.geo.chunk, None, self.geo.padded_state),
-                            lambda p: self.index(p) + (0,))
+        """[Bt, Tp, G, Np] (Q, K): the chunk's [L, Np] block (shared by the slices)."""
+        return pl.BlockSpec((None, self.geo.chunk, None, self.geo.padded_state), lambda p: self.index(p)[:3] + (0,))
+
+    def slice_rows(self):
+        """[Bt, Tp, G, splits, Np] (partial group sums of dQ, dK): the program's [L, Np] block."""
+        return pl.BlockSpec((None, self.geo.chunk, None, None, self.geo.padded_state), lambda p: self.index(p) + (0,))
 
     def head_rows(self, width):
-        """per_head([Bt, Tp, H, width]): a [rows, H/G, width] block."""
-        return pl.BlockSpec((None, self.geo.chunk, None, self.geo.heads_per_group, width),
+        """per_head([Bt, Tp, H, width]): a [L, heads per slice, width] block."""
+        return pl.BlockSpec((None, self.geo.chunk, None, None, self.heads_per_slice, width),
                             lambda p: self.index(p) + (0, 0))
 
     def head_scalars(self):
-        """per_head([Bt, Tp, H]): a [rows, H/G] block."""
-        return pl.BlockSpec((None, self.geo.chunk, None, self.geo.heads_per_group),
-                            lambda p: self.index(p) + (0,))
+        """per_head([Bt, Tp, H]): a [L, heads per slice] block."""
+        return pl.BlockSpec((None, self.geo.chunk, None, None, self.heads_per_slice), lambda p: self.index(p) + (0,))
 
     def biases(self):
-        """[G, H/G, Np] (the biases, per group): the group's [H/G, Np] block."""
-        return pl.BlockSpec((None, self.geo.heads_per_group, self.geo.padded_state),
-                            lambda p: (self.index(p)[2], 0, 0))
+        """[G, splits, heads per slice, Np] (the biases): the slice's [heads per slice, Np] block."""
+        return pl.BlockSpec((None, None, self.heads_per_slice, self.geo.padded_state),
+                            lambda p: self.index(p)[2:] + (0, 0))
 
     def per_chunk(self, width):
-        """[Bt, nc, G, H/G, width] (per-chunk values: entering angles, partial sums): the program's
-        [H/G, width] block."""
-        return pl.BlockSpec((None, None, None, self.geo.heads_per_group, width), lambda p: self.index(p) + (0, 0))
+        """per_head([Bt, nc, H, width]) (per-chunk values: entering angles, partial bias sums): the
+        program's [heads per slice, width] block."""
+        return pl.BlockSpec((None, None, None, None, self.heads_per_slice, width), lambda p: self.index(p) + (0, 0))
 
 
 def run_kernel(body, geo: ScanGeometry, grid, inputs, outputs, name, num_warps):

@@ -13,12 +13,12 @@ forward kernel does), d inc_t = Σ_{t' >= t in the chunk} dθ_t' and dθ_entry =
 
 XLA's autodiff of queries_keys.head_queries_keys took ~1.25 ms for this at the PERF.md shape (several
 passes over the 400 MB of float32 per-head gradients). Here one program per (batch row, block of
-positions, group) (layout.GroupGrid) reads each per-head gradient once, walks the heads of its group
-with a loop and keeps the group sums in registers; the rotation is elementwise between the even and
+positions, group, slice of the group's heads) (layout.GroupGrid) reads each per-head gradient once,
+walks the heads of its slice with a loop and keeps the slice's sums in registers; the rotation is elementwise between the even and
 odd pieces of the kernel layout, loaded as column blocks of the refs.
 
-Outputs per program: dQ, dK rows, ds and dθ per head, and the block's share of the bias gradients
-(summed over blocks by XLA in a fixed order: deterministic, no atomics). Numerics: float32 throughout.
+Outputs per program: the slice's share of the dQ, dK rows, ds and dθ per head, and the chunk's share
+of the bias gradients (the shares are summed by XLA in a fixed order: deterministic, no atomics). Numerics: float32 throughout.
 The pure-JAX reference is the VJP of queries_keys.head_queries_keys.
 """
 
@@ -88,31 +88,34 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc, the
             return dq_sum, dk_sum
 
         zeros = {n: jnp.zeros((geo.chunk, w), F32) for n, _, w in pieces}
-        dq_sum, dk_sum = jax.lax.fori_loop(0, geo.heads_per_group, head_step, (zeros, dict(zeros)))
+        dq_sum, dk_sum = jax.lax.fori_loop(0, grid.heads_per_slice, head_step, (zeros, dict(zeros)))
         for n, start, width in pieces:
             refs["dQ"][:, pl.ds(start, width)] = dq_sum[n]
             refs["dK"][:, pl.ds(start, width)] = dk_sum[n]
 
     bsz, Tp, G, Np = Q.shape
-    H, hpg, Sp = geo.heads, geo.heads_per_group, geo.angle_width
+    H, Sp = geo.heads, geo.angle_width
+    slices = (G, grid.splits, grid.heads_per_slice)
     inputs = [("Q", Q, grid.group_rows()), ("K", K, grid.group_rows()),
-              ("Q_bias", Q_bias.reshape(G, hpg, Np), grid.biases()), ("K_bias", K_bias.reshape(G, hpg, Np), grid.biases()),
+              ("Q_bias", Q_bias.reshape(slices + (Np,)), grid.biases()),
+              ("K_bias", K_bias.reshape(slices + (Np,)), grid.biases()),
               ("scale", grid.per_head(scale), grid.head_scalars()),
               ("dq", grid.per_head(dq), grid.head_rows(Np)), ("dk", grid.per_head(dk), grid.head_rows(Np)),
               ("inc", None if inc is None else grid.per_head(inc), grid.head_rows(Sp)),
               ("theta_entry", None if inc is None else grid.per_head(theta_entry), grid.per_chunk(Sp))]
     nc = geo.n_chunks
-    partials = jax.ShapeDtypeStruct((bsz, nc, G, hpg, Np), F32)
-    outputs = [("dQ", jax.ShapeDtypeStruct((bsz, Tp, G, Np), F32), grid.group_rows()),
-               ("dK", jax.ShapeDtypeStruct((bsz, Tp, G, Np), F32), grid.group_rows()),
+    partials = jax.ShapeDtypeStruct((bsz, nc) + slices + (Np,), F32)
+    slice_sums = jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Np), F32)
+    outputs = [("dQ", slice_sums, grid.slice_rows()), ("dK", slice_sums, grid.slice_rows()),
                ("dqb", partials, grid.per_chunk(Np)), ("dkb", partials, grid.per_chunk(Np)),
-               ("d_scale", jax.ShapeDtypeStruct((bsz, Tp, G, hpg), F32), grid.head_scalars())]
+               ("d_scale", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars())]
     if rotated:
-        outputs += [("d_inc", jax.ShapeDtypeStruct((bsz, Tp, G, hpg, Sp), F32), grid.head_rows(Sp)),
-                    ("d_theta_entry", jax.ShapeDtypeStruct((bsz, nc, G, hpg, Sp), F32), grid.per_chunk(Sp))]
+        outputs += [("d_inc", jax.ShapeDtypeStruct((bsz, Tp) + slices + (Sp,), F32), grid.head_rows(Sp)),
+                    ("d_theta_entry", jax.ShapeDtypeStruct((bsz, nc) + slices + (Sp,), F32), grid.per_chunk(Sp))]
     out = layout.run_kernel(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients",
                             geo.config.num_warps_qk)
     d_inc = out["d_inc"].reshape(bsz, Tp, H, Sp) if rotated else None
     d_entry = out["d_theta_entry"].reshape(bsz, nc, H, Sp) if rotated else None
-    return (out["dQ"], out["dK"], out["dqb"].sum(axis=(0, 1)).reshape(H, Np), out["dkb"].sum(axis=(0, 1)).reshape(H, Np),
+    return (out["dQ"].sum(axis=3), out["dK"].sum(axis=3),
+            out["dqb"].sum(axis=(0, 1)).reshape(H, Np), out["dkb"].sum(axis=(0, 1)).reshape(H, Np),
             out["d_scale"].reshape(bsz, Tp, H), d_inc, d_entry)

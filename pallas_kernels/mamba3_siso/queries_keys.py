@@ -128,16 +128,16 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc
                     refs[out][:, j, pl.ds(start, width)] = (x if p == "Q" else s[:, None] * x).astype(mm)
             return carry
 
-        jax.lax.fori_loop(0, geo.heads_per_group, head_step, 0)
+        jax.lax.fori_loop(0, grid.heads_per_slice, head_step, 0)
 
     bsz, Tp, G, Np = Q.shape
-    hpg = geo.heads_per_group
+    slices = (G, grid.splits, grid.heads_per_slice, Np)
     inputs = [("Q", Q, grid.group_rows()), ("K", K, grid.group_rows()),
-              ("Q_bias", Q_bias.reshape(G, hpg, Np), grid.biases()), ("K_bias", K_bias.reshape(G, hpg, Np), grid.biases()),
+              ("Q_bias", Q_bias.reshape(slices), grid.biases()), ("K_bias", K_bias.reshape(slices), grid.biases()),
               ("scale", grid.per_head(scale), grid.head_scalars()),
               ("inc", None if inc is None else grid.per_head(inc), grid.head_rows(geo.angle_width)),
               ("theta_entry", None if inc is None else grid.per_head(theta_entry), grid.per_chunk(geo.angle_width))]
-    per_head = jax.ShapeDtypeStruct((bsz, Tp, G, hpg, Np), mm)
+    per_head = jax.ShapeDtypeStruct((bsz, Tp) + slices, mm)
     out = layout.run_kernel(body, geo, grid, inputs,
                             [("q", per_head, grid.head_rows(Np)), ("k", per_head, grid.head_rows(Np))],
                             "mamba3_siso_fwd_queries_keys", geo.config.num_warps_qk)
