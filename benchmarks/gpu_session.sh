@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One device-machine call that runs every GPU check and benchmark of the repo, stage by stage, each
 # under its own time limit, logs in $OUT (set by the device tool; defaults to ./gpu_logs).
-#   bash benchmarks/gpu_session.sh [stage ...]     stages: tests adamw e2e1 e2e3 dp2 (default: all)
+#   bash benchmarks/gpu_session.sh [stage ...]     stages: tests m3_tests m3_bench m3_profile adamw_tests adamw
+#                                                  e2e1 e2e3 dp2 (default: all but tests)
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD PYTHONWARNINGS=ignore::DeprecationWarning
 export JAX_COMPILATION_CACHE_DIR=/tmp/jcc JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-stages=${*:-adamw_tests e2e1 e2e3 m3_tests adamw dp2}
+stages=${*:-tests adamw_tests e2e1 e2e3 m3_profile adamw dp2 m3_bench}
 run() {  # name, seconds, command...
   local name=$1 secs=$2; shift 2
   echo "=== $name (limit ${secs}s) ==="
@@ -19,8 +20,10 @@ run() {  # name, seconds, command...
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1; cat "$OUT/gpu.txt"
 OPT=fused
 for s in $stages; do case $s in
-  tests)       run gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ ;;
-  m3_tests)    run m3_gpu_tests 70 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py ;;
+  tests)       run gpu_tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ ;;
+  m3_tests)    run m3_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py ;;
+  m3_profile)  run m3_profile 60 python3 benchmarks/profile_kernels.py mamba3 --iters 10 ;;
+  m3_bench)    run m3_bench 300 python3 benchmarks/bench_mamba3_scan.py --ref-iters 3 --sweep --breakdown ;;
   adamw_tests) run adamw_tests 60 python3 -m pytest -q -p no:cacheprovider -x tests/test_fused_adamw.py || OPT=adamw ;;
   adamw)       run adamw 60 python3 benchmarks/bench_fused_adamw.py --no-sweep --iters 10 ;;
   e2e1)        run e2e_mamba1 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas,xla --optimizer $OPT --steps 5 --warmup 2 ;;
