@@ -2,6 +2,7 @@
 
     python3 benchmarks/profile_kernels.py mamba3 [--shape b8t2048] [--iters 10]   # Mamba-3 scan fwd+bwd
     python3 benchmarks/profile_kernels.py mamba3 --forward                         # forward only
+    python3 benchmarks/profile_kernels.py mamba3 --tiny      # CPU smoke run (interpret mode; no device events)
 
 Runs the function `--iters` times inside `jax.profiler.trace`, reads the trace back with
 `jax.profiler.ProfileData`, and prints, per kernel name (GPU events of the device plane), the total
@@ -59,15 +60,20 @@ def report(totals, iters, top=30):
 
 
 def main(argv=None):
+    """Profiles the op (see the module docstring); argv as on the command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["mamba3"])
+    p.add_argument("what", nargs="?", default="mamba3", choices=["mamba3"])
     p.add_argument("--shape", default="b8t2048", choices=list(m3.SHAPES))
     p.add_argument("--forward", action="store_true")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--tiny", action="store_true", help="tiny shape, interpret mode (CPU smoke run)")
     a = p.parse_args(argv)
-    bsz, T = m3.SHAPES[a.shape]
-    args = m3.make_args(bsz, T, m3.DIMS)
-    fn = m3.op_function("pallas", 64, m3.DEFAULT_CONFIG, jax.default_backend() != "gpu")
+    if a.tiny:
+        (bsz, T), dims, chunk, a.shape, a.iters = m3.TINY["shape"], m3.TINY["dims"], m3.TINY["chunk"], "tiny", 1
+    else:
+        (bsz, T), dims, chunk = m3.SHAPES[a.shape], m3.DIMS, 64
+    args = m3.make_args(bsz, T, dims)
+    fn = m3.op_function("pallas", chunk, m3.DEFAULT_CONFIG, jax.default_backend() != "gpu")
     if a.forward:
         f, fargs = jax.jit(fn), (args,)
     else:

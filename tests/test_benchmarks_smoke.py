@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-SCRIPTS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_*.py")))
+SCRIPTS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_*.py"))
+                 + glob.glob(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "profile_*.py")))
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=os.path.basename)
