@@ -5,9 +5,10 @@ one warning, or raises when "pallas" was asked for explicitly); `mamba3_siso_sca
 compiled through Triton on a CUDA GPU, in the Pallas interpreter on CPU (slow: for tests).
 
 Numerics are the kernels' (see pallas_kernels/mamba3_siso/scan.py and the kernel modules): float32
-state, decays, rotation and accumulation whatever the input dtype; dot operands in bf16/f16 when Q,
-K and V are that dtype (tensor cores, as the official kernel), exact float32 otherwise; `out`
-rounded once to V.dtype; final states float32.
+running state, decays, rotation and accumulation whatever the input dtype; dot operands in bf16/f16
+when Q, K and V are that dtype (tensor cores, as the official kernel), exact float32 otherwise; the
+per-chunk boundary states kept for the chunk kernels stored in that same operand dtype (they are only
+read as dot operands, and by ⟨S, dS⟩ in dADT); `out` rounded once to V.dtype; final states float32.
 """
 
 from __future__ import annotations
