@@ -166,10 +166,11 @@ def stage_breakdown(shape, dims, chunk, config, iters, interpret, workers):
     """Times each launch of the Pallas forward and backward on its own: [(stage, (median, min, max))].
 
     Every stage is lowered from abstract shapes and compiled in parallel first, then run in order,
-    each feeding the next. The XLA stages are the glue before the kernels, the per-head query/key
-    operands, and their VJP in the backward (which recomputes them).
+    each feeding the next. The XLA stages are the glue before the core (prep) and its VJP (the glue
+    backward); every other stage is one or more Pallas launches.
     """
     from pallas_kernels.mamba3_siso import chunk_backward, chunk_forward, core, qk_gradients, scan, state_passes
+    from pallas_kernels.mamba3_siso.queries_keys import head_queries_keys_kernel as queries_keys_kernel
 
     a = make_args(*shape, dims)
     H = dims["H"]
@@ -182,10 +183,10 @@ def stage_breakdown(shape, dims, chunk, config, iters, interpret, workers):
     geo = scan.prepare(*inputs, None, chunk_size=chunk, config=config, interpret=interpret)[0]
 
     def operands(args, qk, d_out=None):   # args: Q, K, Q_bias, K_bias, scale, inc, θ_entry, v, z, adt, skip, s0
-        return core.kernel_operands(geo, *qk, *args[7:11], s0=args[11], d_out=d_out)
+        return core.kernel_operands(*qk, *args[7:11], s0=args[11], d_out=d_out)
 
     def queries_keys(args):
-        return core.kernel_queries_keys(geo, *args[:7])
+        return queries_keys_kernel(geo, *args[:7])
 
     def fwd_local(args, qk):
         return state_passes.chunk_contributions(geo, operands(args, qk), adjoint=False)

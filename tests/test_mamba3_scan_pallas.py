@@ -168,8 +168,9 @@ def test_chunk_gradients_in_one_two_or_three_launches_match_reference(with_z, ke
 
 
 @pytest.mark.parametrize("N,S,G,H,splits", [(7, 1, 3, 6, 4), (7, 1, 3, 6, 1), (12, 6, 1, 2, 4), (8, 0, 2, 4, 4),
-                                            (40, 10, 1, 3, 4)],
-                         ids=["rest-padded-groups", "one-slice-per-group", "full-rope", "no-angles", "three-heads"])
+                                            (40, 10, 1, 3, 4), (7, 1, 1, 6, 4)],
+                         ids=["rest-padded-groups", "one-slice-per-group", "full-rope", "no-angles", "three-heads",
+                              "three-slices-of-two-heads"])
 def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits):
     """The per-head q, k̃ kernel against queries_keys.head_queries_keys at the angles of
     queries_keys.position_angles, and the query/key gradient kernel against JAX's VJP of the two (every
@@ -180,7 +181,7 @@ def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits):
     geo = make_geometry(batch=bsz, seqlen=T, heads=H, groups=G, headdim=16, d_state=N, num_angles=S, chunk_size=16,
                         has_z=False, matmul_dtype=jnp.float32, io_dtype=jnp.float32, interpret=True,
                         config=Mamba3ScanConfig(qk_head_splits=splits))
-    assert geo.qk_splits == min(splits, H // G)      # heads per group: 2, 2, 2, 3
+    assert geo.qk_splits == {2: min(splits, 2), 3: 3, 6: 3}[H // G]    # the largest divisor <= splits
     r = np.random.default_rng(9)
     Np, Sp = geo.padded_state, geo.angle_width
     lay = lambda x: queries_keys.to_kernel_layout(geo, jnp.asarray(x, jnp.float32))
@@ -361,7 +362,8 @@ def test_kernel_refuses_a_reset_mask_and_a_bad_config():
 
 @pytest.mark.parametrize("field,value", [("state_block_p", 12), ("num_warps_grad", 0), ("min_width", 24),
                                          ("gradient_kernels", 4), ("num_warps_qk", 3),
-                                         ("qk_head_splits", 0),
+                                         ("qk_head_splits", 0), ("gradient_kernels", 2.0), ("min_width", 8),
+                                         ("min_chunk", 8), ("num_warps_grad", 64),
                                          ("num_stages", 0), ("max_chunk", 96), ("stored_state_dtype", "float16")])
 def test_bad_config_raises_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -1,10 +1,10 @@
-"""Backward chunk kernel of the Mamba-3 SISO scan: every gradient of one chunk, in one program.
+"""Backward chunk kernels of the Mamba-3 SISO scan: every gradient of one chunk, in one to three launches.
 
 Why: given the state S_c entering chunk c (forward residual) and the adjoint dS = G_{c+1} of the state
 leaving it (state_passes.adjoint_state_pass), the chunks' gradients are independent. One program per
 (batch row, chunk, head) applies spec §4.4 steps 1-2 to the kernel's operands (Q the rotated biased
-queries, K̃ the scaled rotated biased keys; the rotation, bias and scale are differentiated by JAX in
-core.py), with A_ij = ⟨dY_i, v_j⟩, Λ the strictly lower decay matrix and w = e^{cs_end − cs}:
+queries, K̃ the scaled rotated biased keys; the rotation, biases and scale are differentiated by the
+query/key gradient kernel, qk_gradients.py), with A_ij = ⟨dY_i, v_j⟩, Λ the strictly lower decay matrix and w = e^{cs_end − cs}:
 
     dZ  = dO ⊙ Y ⊙ σ(Z)(1 + Z(1 − σ(Z)))            (Y recomputed),  dY = dO ⊙ silu(Z)
     dQ  = (A ⊙ Λ)·K̃ + diag(e^{cs})·dY·S_c
@@ -13,15 +13,15 @@ core.py), with A_ij = ⟨dY_i, v_j⟩, Λ the strictly lower decay matrix and w 
     dskip_i = ⟨dY_i, v_i⟩
     dADT_i = Σ_{i' >= i} r_{i'} + ρ     (r, ρ as in §4.4 step 2; ⟨dY_i, Q_i S_cᵀ⟩ = ⟨dY_i S_c, Q_i⟩)
 
-Eight tensor-core dots (nine with Z), each over the whole d_state, in one launch or split by
+Tensor-core dots over the whole d_state: 8 (10 with Z) in one launch, 11 (13) over three; split by
 `config.gradient_kernels` into two (dQ apart) or three (values dV, dZ, dskip / keys dK̃, dADT /
 queries dQ): each launch recomputes the few products it shares with the others (A = dY·Vᵀ, the
 scores), in exchange for fewer live tiles per program (the one-launch kernel spills).
 
 Numerics: float32 everywhere except dot operands (`matmul_dtype`, as in the forward); dV, dZ are
 rounded once to their dtype; dQ, dK̃ and the per-position scalar gradients are float32.
-HBM: one pass reading Q, K̃, V, Z, dO, two per-position scalars and two stored states per chunk;
-writing dV, dZ, dQ, dK̃ and two per-position scalars.
+HBM: each launch reads its share of Q, K̃, V, Z, dO, two per-position scalars and two stored states
+per chunk; together they write dV, dZ, dQ, dK̃ and two per-position scalars.
 No atomics: every output element is written by exactly one program.
 """
 
@@ -39,7 +39,7 @@ from pallas_kernels.mamba3_siso.config import ScanGeometry
 
 
 def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> dict:
-    """Pass 2 of the backward.
+    """The chunk gradients (after the adjoint pass).
 
     Args:
       ops: the forward's chunk operands (see chunk_forward.chunk_outputs) plus d_out [Bt, Tp, H, Pp].

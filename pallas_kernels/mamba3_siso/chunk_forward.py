@@ -6,8 +6,8 @@ dots:
 
     Y = diag(e^{cs})·Q·S_cᵀ + ((Q·K̃ᵀ) ⊙ Λ)·V + diag(skip)·V,     out = Y ⊙ silu(Z)  (if Z)
 
-with Q the biased rotated queries and K̃ = s·(rotated biased keys) of this head (formed by scan.py in
-the dot operand dtype), Λ_ij = e^{cs_i − cs_j}[i > j] and skip = D + γ⟨q̄, k̄⟩ (per position, from
+with Q the biased rotated queries and K̃ = s·(rotated biased keys) of this head (formed in the dot
+operand dtype by queries_keys.head_queries_keys_kernel), Λ_ij = e^{cs_i − cs_j}[i > j] and skip = D + γ⟨q̄, k̄⟩ (per position, from
 the glue).
 
 Numerics: decays, the gate and every accumulation are float32; dot operands are in `matmul_dtype`
@@ -35,19 +35,18 @@ def chunk_inputs(geo: ScanGeometry, grid: layout.ChunkGrid, ops: dict, names) ->
 
 
 def chunk_output(geo: ScanGeometry, decay: ChunkDecay, lam, q, k, v, skip, state):
-    """(Y [L, Pp] float32, masked scores (Q·K̃ᵀ)⊙Λ [L, L], Q·S_cᵀ [L, Pp]) of one chunk.
+    """Y [L, Pp] float32 of one chunk.
 
     q, k: [L, Np] queries and scaled keys; v: [L, Pp] in its own dtype; skip: [L]; state: [Pp, Np].
     """
     mm = geo.matmul_dtype
     scores = dot(q, k, mm, trans_b=True) * lam
     q_state = dot(q, state, mm, trans_b=True)
-    y = dot(scores, v, mm) + decay.read[:, None] * q_state + skip[:, None] * v.astype(F32)
-    return y, scores, q_state
+    return dot(scores, v, mm) + decay.read[:, None] * q_state + skip[:, None] * v.astype(F32)
 
 
 def chunk_outputs(geo: ScanGeometry, ops: dict, entering):
-    """Pass 2 of the forward: out [Bt, Tp, H, Pp] in V's dtype.
+    """The chunk outputs (after the state pass): out [Bt, Tp, H, Pp] in V's dtype.
 
     Args:
       ops: q, k [Bt, Tp, H, Np] (dot operand dtype), v, z (or None) [Bt, Tp, H, Pp], adt, skip [Bt, H, Tp].
@@ -57,7 +56,7 @@ def chunk_outputs(geo: ScanGeometry, ops: dict, entering):
 
     def body(refs):
         decay = ChunkDecay(refs["adt"][...])
-        y, _, _ = chunk_output(geo, decay, decay.strictly_lower(), refs["q"][...], refs["k"][...], refs["v"][...],
+        y = chunk_output(geo, decay, decay.strictly_lower(), refs["q"][...], refs["k"][...], refs["v"][...],
                                refs["skip"][...], refs["state"][...])
         if geo.has_z:
             z = refs["z"][...].astype(F32)

@@ -16,7 +16,7 @@ column pieces of power-of-two widths,
   even  [Sp]  dims 0, 2, ..., 2S-2   (first element of each rotated pair)     columns [0, Sp)
   odd   [Sp]  dims 1, 3, ..., 2S-1   (second element of each rotated pair)    columns [Sp, 2Sp)
   rest        dims 2S .. N-1 (not rotated), then zeros                        columns [2Sp, Np)
-with Sp = S rounded up to a power of two (zero-padded) and Np = 2Sp + (N - 2S) rounded up to a power
+with Sp = S rounded up to a power of two >= 8 (zero-padded) and Np = 2Sp + (N - 2S) rounded up to a power
 of two >= min_width; the rest columns are cut into power-of-two pieces (one for the PERF.md shape:
 Sp = 32, rest 64, Np = 128). Dot products over d_state do not depend on the order of its dims, so
 the chunk kernels use the whole [.., Np] tile; the RoPE rotation of pair a is elementwise between
@@ -53,6 +53,8 @@ class Mamba3ScanConfig:
       num_warps_local: Triton warps of the per-chunk state / adjoint contribution kernels.
       num_warps_chunk: Triton warps of the forward chunk-output kernel.
       num_warps_grad: Triton warps of the backward chunk-gradient kernel(s).
+      gradient_kernels: launches the chunk gradients are split into: 1, 2 (dQ apart) or 3 (values dV,
+        dZ, dskip / keys dK̃, dADT / queries dQ); see chunk_backward.py.
       num_warps_qk: Triton warps of the two query/key kernels.
       qk_head_splits: the heads of a group are split over this many programs of the query/key kernels
         (the largest divisor of heads-per-group not above it is used): more programs in flight, and
@@ -87,13 +89,20 @@ class Mamba3ScanConfig:
             v = getattr(self, name)
             if not _is_power_of_2(v):
                 raise ValueError(f"Mamba3ScanConfig.{name} must be a positive power of two, got {v!r}")
+        for name in ("min_width", "min_chunk"):
+            if getattr(self, name) < 16:
+                raise ValueError(f"Mamba3ScanConfig.{name} must be >= 16 (Triton's dots need every dimension >= 16), "
+                                 f"got {getattr(self, name)!r}")
+        for name in ("num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad", "num_warps_qk"):
+            if getattr(self, name) > 32:
+                raise ValueError(f"Mamba3ScanConfig.{name} must be <= 32 (Triton's limit), got {getattr(self, name)!r}")
         if self.min_chunk > self.max_chunk:
             raise ValueError(f"Mamba3ScanConfig.min_chunk ({self.min_chunk}) must be <= max_chunk ({self.max_chunk})")
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"Mamba3ScanConfig.num_stages must be a positive int, got {self.num_stages!r}")
         if isinstance(self.qk_head_splits, bool) or not isinstance(self.qk_head_splits, int) or self.qk_head_splits < 1:
             raise ValueError(f"Mamba3ScanConfig.qk_head_splits must be a positive int, got {self.qk_head_splits!r}")
-        if isinstance(self.gradient_kernels, bool) or self.gradient_kernels not in (1, 2, 3):
+        if type(self.gradient_kernels) is not int or self.gradient_kernels not in (1, 2, 3):
             raise ValueError(f"Mamba3ScanConfig.gradient_kernels must be 1, 2 or 3, got {self.gradient_kernels!r}")
         if self.stored_state_dtype not in STORED_STATE_DTYPES:
             raise ValueError(f"Mamba3ScanConfig.stored_state_dtype must be one of {STORED_STATE_DTYPES}, "
@@ -159,10 +168,6 @@ class ScanGeometry:
     @property
     def heads_per_group(self) -> int:
         return self.heads // self.groups
-
-    @property
-    def has_angles(self) -> bool:
-        return self.num_angles > 0
 
     @property
     def qk_splits(self) -> int:

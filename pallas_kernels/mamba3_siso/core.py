@@ -1,4 +1,4 @@
-"""The chunked Mamba-3 SISO core behind one `jax.custom_vjp`: four kernels forward, four backward.
+"""The chunked Mamba-3 SISO core behind one `jax.custom_vjp`: four kernels forward, four to six backward.
 
 What the core computes (everything around it, elementwise or small, is plain JAX in scan.py and
 differentiated by JAX): for the padded operands in the kernel layout of config.py,
@@ -9,10 +9,10 @@ differentiated by JAX): for the padded operands in the kernel layout of config.p
             state_passes.forward_state_pass   -> states entering every chunk, S_final  (2 kernels)
             chunk_forward.chunk_outputs       -> out                                   (1 kernel)
   backward  state_passes.adjoint_state_pass   -> adjoints leaving every chunk, dS_0    (2 kernels)
-            chunk_backward.chunk_gradients    -> dq, dk̃, dV, dZ, dADT, dskip            (1 kernel, or 2)
+            chunk_backward.chunk_gradients    -> dq, dk̃, dV, dZ, dADT, dskip  (1-3 launches, default 3)
             qk_gradients.query_key_gradients  -> dQ, dK, bias, scale and angle gradients (1 kernel)
-  Partial sums (bias gradients over position blocks) are reduced by XLA in a fixed order:
-  deterministic, no atomics.
+  Partial sums (bias gradients over chunks, dQ and dK over slices of a group's heads) are reduced by
+  XLA in a fixed order: deterministic, no atomics.
 
 Residuals: the inputs, the per-head q, k̃ (dot operand dtype, [Bt, Tp, H, Np]) and the states
 entering every chunk ([Bt, H, nc, Pp, Np]); the backward never calls the forward kernels' VJP.
@@ -33,12 +33,7 @@ from pallas_kernels.mamba3_siso.queries_keys import head_queries_keys_kernel
 F32 = jnp.float32
 
 
-def kernel_queries_keys(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc, theta_entry):
-    """(q, k̃) [Bt, Tp, H, Np] in the dot operand dtype (see queries_keys.py)."""
-    return head_queries_keys_kernel(geo, Q, K, Q_bias, K_bias, scale, inc, theta_entry)
-
-
-def kernel_operands(geo: ScanGeometry, q, k, v, z, adt, skip, s0=None, d_out=None):
+def kernel_operands(q, k, v, z, adt, skip, s0=None, d_out=None):
     """The dict of arrays the kernels read."""
     return dict(q=q, k=k, v=v, z=z, adt=adt, skip=skip, s0=s0, d_out=d_out)
 
@@ -64,8 +59,8 @@ def chunked_core(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc, theta_entr
 
 
 def _forward(geo, Q, K, Q_bias, K_bias, scale, inc, theta_entry, v, z, adt, skip, s0):
-    q, k = kernel_queries_keys(geo, Q, K, Q_bias, K_bias, scale, inc, theta_entry)
-    ops = kernel_operands(geo, q, k, v, z, adt, skip, s0=s0)
+    q, k = head_queries_keys_kernel(geo, Q, K, Q_bias, K_bias, scale, inc, theta_entry)
+    ops = kernel_operands(q, k, v, z, adt, skip, s0=s0)
     entering, final = state_passes.forward_state_pass(geo, ops)
     out = chunk_forward.chunk_outputs(geo, ops, entering)
     return out, final, (q, k, entering)
@@ -79,7 +74,7 @@ def _core_fwd(geo, Q, K, Q_bias, K_bias, scale, inc, theta_entry, v, z, adt, ski
 def _core_bwd(geo, residuals, cotangents):
     Q, K, Q_bias, K_bias, scale, inc, theta_entry, q, k, v, z, adt, skip, entering = residuals
     d_out, d_final = cotangents
-    ops = kernel_operands(geo, q, k, v, z, adt, skip, d_out=d_out.astype(v.dtype))
+    ops = kernel_operands(q, k, v, z, adt, skip, d_out=d_out.astype(v.dtype))
     leaving, d_initial = state_passes.adjoint_state_pass(geo, ops, d_final.astype(F32))
     g = chunk_backward.chunk_gradients(geo, ops, entering, leaving)
     dQ, dK, dQ_bias, dK_bias, d_scale, d_inc, d_entry = query_key_gradients(

@@ -1,10 +1,12 @@
 """HBM layouts, program grids and block specs of the Mamba-3 SISO kernels: how each array is cut.
 
 The arrays the kernels see are already padded by `scan.py`: T is a multiple of the chunk L, headdim
-is Pp and d_state Np (powers of two), and the queries / keys are per head, biased, rotated and (keys)
-scaled, in the dot operand dtype.
+is Pp and d_state Np (powers of two, d_state in the kernel layout of config.py). The chunk kernels
+read per-head queries / keys (biased, rotated, keys scaled, in the dot operand dtype) formed by the
+query/key kernel from the per-group Q, K.
 
 Layouts (HBM):
+  group rows     [Bt, Tp, G, Np]      Q, K (activation dtype) and dQ, dK (float32, per head slice)
   head rows      [Bt, Tp, H, w]       w = Np: queries q, keys k̃ and their float32 gradients;
                                       w = Pp: V, Z, out, d_out, dV, dZ
   sequences      [Bt, H, Tp]          ADT, skip D + γ⟨q̄, k̄⟩ and their gradients (float32)

@@ -19,7 +19,7 @@ odd pieces of the kernel layout, loaded as column blocks of the refs.
 
 Outputs per program: the slice's share of the dQ, dK rows, ds and dθ per head, and the chunk's share
 of the bias gradients (the shares are summed by XLA in a fixed order: deterministic, no atomics). Numerics: float32 throughout.
-The pure-JAX reference is the VJP of queries_keys.head_queries_keys.
+The pure-JAX reference is the VJP of queries_keys.head_queries_keys ∘ queries_keys.position_angles.
 """
 
 from __future__ import annotations

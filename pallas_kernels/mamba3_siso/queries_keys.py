@@ -6,7 +6,8 @@ in the kernel layout of d_state (config.py: even | odd | rest pieces).
 Why a separate step: formed once here and rounded once to the dot operand dtype, they let every
 chunk kernel do each product as one dot over the whole d_state. In the kernel layout the rotation is
 elementwise between the contiguous even and odd pieces. `head_queries_keys_kernel` is the Pallas
-kernel the core runs (one program per (batch row, block of positions, group), layout.GroupGrid: it
+kernel the core runs (one program per (batch row, chunk, group, slice of the group's heads),
+layout.GroupGrid: it
 reads Q, K once, forms each head's angles θ_t = (θ_entry + Σ_{r <= t in the chunk} inc_r) mod 2π from
 the increments, and writes each head's q, k̃ piece by piece); `head_queries_keys` with
 `position_angles` is its pure-JAX reference (XLA took ~0.4 ms for the two at the PERF.md shape; JAX
@@ -121,10 +122,10 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc
                 rotation = (jnp.cos(angle), jnp.sin(angle))
             s = refs["scale"][:, j]
             for p, out in (("Q", "q"), ("K", "k")):
-                biased = {n: rows[p][n] + refs[f"{p}_bias"][j, pl.ds(start, width)][None, :]
-                          for n, start, width in pieces}
+                rotated = rotate({n: rows[p][n] + refs[f"{p}_bias"][j, pl.ds(start, width)][None, :]
+                                  for n, start, width in pieces}, rotation)
                 for n, start, width in pieces:
-                    x = rotate(biased, rotation)[n]
+                    x = rotated[n]
                     refs[out][:, j, pl.ds(start, width)] = (x if p == "Q" else s[:, None] * x).astype(mm)
             return carry
 

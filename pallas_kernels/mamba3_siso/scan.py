@@ -6,8 +6,8 @@ contract of jmamba/ops/mamba3_siso_scan/api.py, differentiable w.r.t. every arra
 
 Split of the work (spec §4): everything per position and small is plain JAX here, so JAX
 differentiates it (the DT/Trap/D/initial-state chains of §4.4 steps 4-6 come for free); only the
-chunked core (core.py: one custom_vjp around three kernels forward, three backward, and the per-head
-query/key operands of queries_keys.py) is hand-differentiated.
+chunked core (core.py: one custom_vjp around four kernels forward and four to six backward, the
+query/key kernels of queries_keys.py and qk_gradients.py included) is hand-differentiated.
 
   per position   λ = σ(Trap), γ = λ·DT, σ̂_t = DT_{t+1}(1 − λ_{t+1}) (0 at the end), s = γ + σ̂,
                  skip = D + γ⟨q̄, k̄⟩ (expanded so that no [Bt, T, H, N] array is formed),
