@@ -42,6 +42,8 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout, installed or not
 
+from benchmarks.measure import rel  # noqa: E402
+
 from jmamba import Mamba1Config, MambaLM  # noqa: E402
 from jmamba.optim import KernelConfig, fused_adamw, no_decay_mask  # noqa: E402
 
@@ -189,10 +191,6 @@ def print_table(workload, rows):
 
 
 # --------------------------------------------------------------------------------- correctness
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b), initial=0.0) / max(np.max(np.abs(b), initial=0.0), 1e-30))
-
 
 def correctness(params, label, kernel_config):
     """Kernel vs pure JAX (per leaf), vs optax.adamw (whole tree), determinism. Returns failures."""

@@ -27,7 +27,6 @@ import concurrent.futures
 import dataclasses
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.measure import fmt_time, rel, timed  # noqa: E402
 
 from jmamba.ops import mamba3_siso_scan  # noqa: E402
 from pallas_kernels.mamba3_siso import DEFAULT_CONFIG, mamba3_siso_scan_pallas  # noqa: E402
@@ -104,18 +105,6 @@ def forward_and_backward(fn):
         out, vjp = jax.vjp(fn, a)
         return out, vjp(d_out)[0]
     return fwd_bwd
-
-
-def timed(fn, args, iters, warmup=2):
-    """(median, min, max) seconds of `fn(*args)` and its last result."""
-    for _ in range(warmup):
-        out = jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return (statistics.median(times), min(times), max(times)), out
 
 
 def compile_all(jobs, workers):
@@ -256,16 +245,6 @@ def stage_breakdown(shape, dims, chunk, config, iters, interpret, workers):
             real[key] = res
         out.append((name, t))
     return out
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
-def fmt_time(t):
-    med, lo, hi = t
-    return f"{med * 1e3:.3f} ({lo * 1e3:.3f}–{hi * 1e3:.3f})"
 
 
 def _short(cfg):

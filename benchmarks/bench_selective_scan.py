@@ -19,9 +19,7 @@ import argparse
 import dataclasses
 import functools
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -29,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.measure import fmt_time, rel, timed  # noqa: E402
 
 from jmamba.ops import selective_scan  # noqa: E402
 from jmamba.ops.selective_scan.common import prepare_delta  # noqa: E402
@@ -86,18 +86,6 @@ def implementation(name, config=None, interpret=False):
                                          delta_softplus=True, config=config, interpret=interpret)[0]
         return pallas
     return functools.partial(selective_scan, delta_softplus=True, implementation=name)
-
-
-def timed(fn, args, iters, warmup=2):
-    """(median, min, max) seconds of `fn(*args)` and its last result."""
-    for _ in range(warmup):
-        out = jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return (statistics.median(times), min(times), max(times)), out
 
 
 def min_bytes(shape, itemsize=2):
@@ -160,16 +148,6 @@ def stage_breakdown(shape, config, iters, interpret):
               lambda o, h, gg, sa, sr: backward.chunk_gradients(bprob, o, h, gg, sa, sr, None), ops, H, G, sub_adj, sub_rd)
     stage("bwd 4: XLA partial sums", lambda gg: scan.reduce_partials(gg, B4, C4), g)
     return out
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
-def fmt_time(t):
-    med, lo, hi = t
-    return f"{med * 1e3:.3f} ({lo * 1e3:.3f}–{hi * 1e3:.3f})"
 
 
 def main(argv=None):
