@@ -2,7 +2,7 @@
 
 Why: given the state S_c entering chunk c (forward residual) and the adjoint dS = G_{c+1} of the state
 leaving it (state_passes.adjoint_state_pass), the chunks' gradients are independent. One program per
-(batch row, chunk, head) applies spec §4.4 steps 1-2 to the kernel's operands (Q the rotated biased
+(batch row, chunk, head) applies docs/mamba3_siso.md §4.4 steps 1-2 to the kernel's operands (Q the rotated biased
 queries, K̃ the scaled rotated biased keys; the rotation, biases and scale are differentiated by the
 query/key gradient kernel, qk_gradients.py), with A_ij = ⟨dY_i, v_j⟩, Λ the strictly lower decay matrix and w = e^{cs_end − cs}:
 
@@ -32,9 +32,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common.dtypes import F32
 from pallas_kernels.mamba3_siso import layout
 from pallas_kernels.mamba3_siso.chunk_forward import chunk_inputs
-from pallas_kernels.mamba3_siso.chunk_math import F32, ChunkDecay, dot, reverse_cumsum, sigmoid, total
+from pallas_kernels.mamba3_siso.chunk_math import ChunkDecay, dot, reverse_cumsum, sigmoid, total
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 
 
@@ -102,7 +103,7 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
             diag = (jnp.sum(dy_state * q.astype(F32), axis=1) if queries
                     else jnp.sum(dy * q_state, axis=1))
             r = r + decay.read * diag
-            # d ADT: r_i − m_i summed from the right, plus ρ = e^{cs_end}<S, dS> + Σ m (spec §4.4 step 2)
+            # d ADT: r_i − m_i summed from the right, plus ρ = e^{cs_end}<S, dS> + Σ m (docs/mamba3_siso.md §4.4 step 2)
             refs["d_adt"][...] = reverse_cumsum(r - to_end) + (decay.chunk * state_dot + jnp.sum(to_end))
 
     bsz, Tp, H, Pp, Np = geo.batch, geo.padded_seqlen, geo.heads, geo.padded_headdim, geo.padded_state
@@ -128,7 +129,7 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
         names = set().union(*(reads[g] for g in groups))
         inputs = chunk_inputs(geo, grid, ops, [n for n in ("q", "k", "v", "z", "d_out", "adt", "skip") if n in names])
         inputs += [(n, arrays[n], specs[n]) for n in ("state", "d_state") if n in names]
-        grads.update(layout.run_kernel(
+        grads.update(layout.launch(
             functools.partial(body, **{g: g in groups for g in ("values", "keys", "queries")}), geo, grid, inputs,
             [o for g in groups for o in outputs[g]], "mamba3_siso_bwd_chunk_gradients_" + "_".join(groups),
             geo.config.num_warps_grad))

@@ -1,7 +1,7 @@
 """Forward chunk kernel of the Mamba-3 SISO scan: every chunk's output from its entering state.
 
 Why: with the state S_c entering chunk c known (state_passes.forward_state_pass), the chunks are
-independent, so one program per (batch row, chunk, head) computes spec §4.3 with three tensor-core
+independent, so one program per (batch row, chunk, head) computes docs/mamba3_siso.md §4.3 with three tensor-core
 dots:
 
     Y = diag(e^{cs})·Q·S_cᵀ + ((Q·K̃ᵀ) ⊙ Λ)·V + diag(skip)·V,     out = Y ⊙ silu(Z)  (if Z)
@@ -21,8 +21,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common.dtypes import F32
 from pallas_kernels.mamba3_siso import layout
-from pallas_kernels.mamba3_siso.chunk_math import F32, ChunkDecay, dot, sigmoid
+from pallas_kernels.mamba3_siso.chunk_math import ChunkDecay, dot, sigmoid
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 
 
@@ -65,7 +66,7 @@ def chunk_outputs(geo: ScanGeometry, ops: dict, entering):
 
     inputs = chunk_inputs(geo, grid, ops, ["q", "k", "v", "z", "adt", "skip"])
     inputs.append(("state", entering, grid.chunk_state()))
-    out = layout.run_kernel(
+    out = layout.launch(
         body, geo, grid, inputs,
         [("out", jax.ShapeDtypeStruct((geo.batch, geo.padded_seqlen, geo.heads, geo.padded_headdim),
                                       jnp.dtype(geo.io_dtype)), grid.head_rows(geo.padded_headdim))],

@@ -16,7 +16,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-F32 = jnp.float32
+from pallas_kernels.common.dtypes import F32, I32
+
 TWO_PI = 2.0 * math.pi
 
 
@@ -78,8 +79,8 @@ class ChunkDecay:
     def strictly_lower(self):
         """[L, L] Λ_ij = e^{cs_i − cs_j} for i > j, else 0."""
         L = self.cs.shape[0]
-        rows = jnp.arange(L, dtype=jnp.int32)[:, None]
-        cols = jnp.arange(L, dtype=jnp.int32)[None, :]
+        rows = jnp.arange(L, dtype=I32)[:, None]
+        cols = jnp.arange(L, dtype=I32)[None, :]
         below = rows > cols
         diff = self.cs[:, None] - self.cs[None, :]
         return jnp.where(below, jnp.exp(jnp.where(below, diff, 0.0)), 0.0)

@@ -17,7 +17,7 @@ column pieces of power-of-two widths,
   odd   [Sp]  dims 1, 3, ..., 2S-1   (second element of each rotated pair)    columns [Sp, 2Sp)
   rest        dims 2S .. N-1 (not rotated), then zeros                        columns [2Sp, Np)
 with Sp = S rounded up to a power of two >= 8 (zero-padded) and Np = 2Sp + (N - 2S) rounded up to a power
-of two >= min_width; the rest columns are cut into power-of-two pieces (one for the PERF.md shape:
+of two >= min_width; the rest columns are cut into power-of-two pieces (one for the benchmark shape (docs/performance.md):
 Sp = 32, rest 64, Np = 128). Dot products over d_state do not depend on the order of its dims, so
 the chunk kernels use the whole [.., Np] tile; the RoPE rotation of pair a is elementwise between
 column a of `even` and of `odd`, which the query/key kernels load and store as column blocks of
@@ -30,14 +30,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-
-def next_power_of_2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
-def _is_power_of_2(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and not x & (x - 1)
-
+from pallas_kernels.common.sizes import is_power_of_2, largest_power_of_2_at_most, next_power_of_2, round_up
 
 STORED_STATE_DTYPES = ("float32", "bfloat16", "dot_operand")
 
@@ -87,7 +80,7 @@ class Mamba3ScanConfig:
         for name in ("state_block_p", "num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad",
                      "num_warps_qk", "min_width", "min_chunk", "max_chunk"):
             v = getattr(self, name)
-            if not _is_power_of_2(v):
+            if not is_power_of_2(v):
                 raise ValueError(f"Mamba3ScanConfig.{name} must be a positive power of two, got {v!r}")
         for name in ("min_width", "min_chunk"):
             if getattr(self, name) < 16:
@@ -110,7 +103,7 @@ class Mamba3ScanConfig:
         return self
 
 
-# Frozen default for the PERF.md shape (H=24, P=64, N=128, chunk 64), from the H200 sweeps and the
+# Frozen default for the benchmark shape (docs/performance.md) (H=24, P=64, N=128, chunk 64), from the H200 sweeps and the
 # register / spill / barrier counts in benchmarks/notes_mamba3_scan.md: 4 warps for the dot kernels
 # (2 CTAs per SM), chunk gradients in three launches (the one- and two-launch kernels spill), chunk
 # states stored in the dot operand dtype, 8 warps for the query/key kernels (no spills).
@@ -120,8 +113,7 @@ DEFAULT_CONFIG = Mamba3ScanConfig()
 def chunk_length(chunk_size: int, seqlen: int, config: Mamba3ScanConfig) -> int:
     """The chunk the kernels use: a power of two in [min_chunk, max_chunk], at most chunk_size
     (rounded down) and no longer than the sequence needs."""
-    want = 1 << (max(int(chunk_size), 1).bit_length() - 1)            # largest power of two <= chunk_size
-    want = min(want, next_power_of_2(seqlen))
+    want = min(largest_power_of_2_at_most(max(int(chunk_size), 1)), next_power_of_2(seqlen))
     return max(config.min_chunk, min(config.max_chunk, want))
 
 
@@ -188,7 +180,7 @@ class ScanGeometry:
         out = [("even", 0, Sp), ("odd", Sp, Sp)] if Sp else []
         start, left = 2 * Sp, self.rest_width
         while left:
-            width = 1 << (left.bit_length() - 1)
+            width = largest_power_of_2_at_most(left)
             out.append((f"rest{start}", start, width))
             start, left = start + width, left - width
         return tuple(out)
@@ -219,7 +211,7 @@ def make_geometry(*, batch, seqlen, heads, groups, headdim, d_state, num_angles,
 
     return ScanGeometry(
         batch=batch, seqlen=seqlen, heads=heads, groups=groups, headdim=headdim, d_state=d_state,
-        num_angles=num_angles, chunk=L, padded_seqlen=-(-seqlen // L) * L,
+        num_angles=num_angles, chunk=L, padded_seqlen=round_up(seqlen, L),
         padded_headdim=width(headdim), angle_width=angle_width,
         padded_state=width(2 * angle_width + d_state - 2 * num_angles),
         has_z=bool(has_z), matmul_dtype=jnp.dtype(matmul_dtype).name, io_dtype=jnp.dtype(io_dtype).name,

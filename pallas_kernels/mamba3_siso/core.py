@@ -23,14 +23,12 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
+from pallas_kernels.common.dtypes import F32
 from pallas_kernels.mamba3_siso import chunk_backward, chunk_forward, state_passes
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 from pallas_kernels.mamba3_siso.qk_gradients import query_key_gradients
 from pallas_kernels.mamba3_siso.queries_keys import head_queries_keys_kernel
-
-F32 = jnp.float32
 
 
 def kernel_operands(q, k, v, z, adt, skip, s0=None, d_out=None):

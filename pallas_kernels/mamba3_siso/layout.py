@@ -15,8 +15,8 @@ Layouts (HBM):
   chunk scalars  [Bt, H, nc]          e^{Σ ADT} of each chunk (float32)
   states         [Bt, H, Pp, Np]      the initial / final state and their adjoints (float32)
 
-Grids are flattened to one axis, so that every `vmap` of a `pallas_call` (which prepends a grid axis)
-still fits Triton's three:
+Grids are flattened to one axis (common/grid.py), so that every `vmap` of a `pallas_call` (which
+prepends a grid axis) still fits Triton's three; the last-named axis varies fastest:
   chunk grid  program (b, c, h), h fastest: one chunk of one head per program;
   state grid  program (b, h, j): j = block of `state_block_p` headdim rows; each walks all chunks
               (the combine of state_passes.py);
@@ -32,8 +32,9 @@ from __future__ import annotations
 import dataclasses
 
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.common.grid import FlatGrid
+from pallas_kernels.common.launch import run_kernel
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 
 
@@ -44,18 +45,21 @@ class ChunkGrid:
     geo: ScanGeometry
 
     @property
+    def flat(self) -> FlatGrid:
+        return FlatGrid((self.geo.batch, self.geo.n_chunks, self.geo.heads))
+
+    @property
     def size(self):
-        g = self.geo
-        return (g.batch * g.n_chunks * g.heads,)
+        return self.flat.size
 
     def head(self, p):
-        return p % self.geo.heads
+        return self.flat.coordinate(p, 2)
 
     def chunk(self, p):
-        return (p // self.geo.heads) % self.geo.n_chunks
+        return self.flat.coordinate(p, 1)
 
     def row(self, p):
-        return p // (self.geo.heads * self.geo.n_chunks)
+        return self.flat.coordinate(p, 0)
 
     # ---- block specs (index maps get the flat program id)
     def head_rows(self, width):
@@ -81,18 +85,21 @@ class StateGrid:
         return self.geo.padded_headdim // self.geo.state_block_p
 
     @property
+    def flat(self) -> FlatGrid:
+        return FlatGrid((self.geo.batch, self.geo.heads, self.n_row_blocks))
+
+    @property
     def size(self):
-        g = self.geo
-        return (g.batch * g.heads * self.n_row_blocks,)
+        return self.flat.size
 
     def row_block(self, p):
-        return p % self.n_row_blocks
+        return self.flat.coordinate(p, 2)
 
     def head(self, p):
-        return (p // self.n_row_blocks) % self.geo.heads
+        return self.flat.coordinate(p, 1)
 
     def row(self, p):
-        return p // (self.n_row_blocks * self.geo.heads)
+        return self.flat.coordinate(p, 0)
 
     def chunk_scalars(self):
         return pl.BlockSpec((None, None, self.geo.n_chunks), lambda p: (self.row(p), self.head(p), 0))
@@ -126,13 +133,16 @@ class GroupGrid:
         return self.geo.heads_per_group // self.splits
 
     @property
+    def flat(self) -> FlatGrid:
+        return FlatGrid((self.geo.batch, self.blocks, self.geo.groups, self.splits))
+
+    @property
     def size(self):
-        return (self.geo.batch * self.blocks * self.geo.groups * self.splits,)
+        return self.flat.size
 
     def index(self, p):
         """(batch row, chunk, group, slice) of program p."""
-        g, j = self.geo.groups, self.splits
-        return p // (self.blocks * g * j), (p // (g * j)) % self.blocks, (p // j) % g, p % j
+        return self.flat.coordinates(p)
 
     def per_head(self, x):
         """[Bt, Tp (or nc), H, ...] -> [Bt, Tp, G, splits, heads per slice, ...] (free reshape)."""
@@ -167,36 +177,12 @@ class GroupGrid:
         return pl.BlockSpec((None, None, None, None, self.heads_per_slice, width), lambda p: self.index(p) + (0, 0))
 
 
-def run_kernel(body, geo: ScanGeometry, grid, inputs, outputs, name, num_warps):
-    """Launches `body` over `grid` with named refs.
+def launch(body, geo: ScanGeometry, grid, inputs, outputs, name, num_warps):
+    """`common.launch.run_kernel` over `grid` (a ChunkGrid, StateGrid or GroupGrid) with `num_warps`
+    (each kernel has its own field in Mamba3ScanConfig) and the call's `num_stages` and interpret flag.
 
-    Args:
-      body: `body(refs: dict[str, Ref])`, the kernel.
-      geo: the ScanGeometry (interpret flag, pipelining depth).
-      grid: a ChunkGrid, StateGrid or GroupGrid.
-      inputs: list of (name, array, BlockSpec), entries whose array is None are skipped;
-      outputs: list of (name, ShapeDtypeStruct, BlockSpec).
-      name: kernel name (shows up in profiles).
-      num_warps: Triton warps per program.
-
-    Returns:
-      dict name -> output array.
+    inputs: (name, array, BlockSpec), entries whose array is None are skipped; outputs: (name,
+    ShapeDtypeStruct, BlockSpec). Returns the outputs by name.
     """
-    inputs = [i for i in inputs if i[1] is not None]
-    in_names = [n for n, _, _ in inputs]
-    out_names = [n for n, _, _ in outputs]
-
-    def kernel(*refs):
-        body(dict(zip(in_names + out_names, refs)))
-
-    results = pl.pallas_call(
-        kernel,
-        out_shape=[s for _, s, _ in outputs],
-        grid=grid.size,
-        in_specs=[s for _, _, s in inputs],
-        out_specs=[s for _, _, s in outputs],
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=geo.config.num_stages),
-        interpret=geo.interpret,
-        name=name,
-    )(*[a for _, a, _ in inputs])
-    return dict(zip(out_names, results))
+    return run_kernel(body, grid=grid.size, inputs=inputs, outputs=outputs, name=name, num_warps=num_warps,
+                      num_stages=geo.config.num_stages, interpret=geo.interpret)

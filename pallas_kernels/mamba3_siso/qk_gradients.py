@@ -11,7 +11,7 @@ k̃ = s·R(θ)ȳ (queries_keys.py), the backward is
 and, with θ_t = (θ_entry + Σ_{r <= t in the chunk} inc_r) mod 2π (formed here again from inc, as the
 forward kernel does), d inc_t = Σ_{t' >= t in the chunk} dθ_t' and dθ_entry = Σ_{chunk} dθ.
 
-XLA's autodiff of queries_keys.head_queries_keys took ~1.25 ms for this at the PERF.md shape (several
+XLA's autodiff of queries_keys.head_queries_keys took ~1.25 ms for this at the benchmark shape (docs/performance.md) (several
 passes over the 400 MB of float32 per-head gradients). Here one program per (batch row, block of
 positions, group, slice of the group's heads) (layout.GroupGrid) reads each per-head gradient once,
 walks the heads of its slice with a loop and keeps the slice's sums in registers; the rotation is elementwise between the even and
@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.common.dtypes import F32
 from pallas_kernels.mamba3_siso import layout
-from pallas_kernels.mamba3_siso.chunk_math import F32, angle_gradient, chunk_angles, reverse_cumsum, rotate_back
+from pallas_kernels.mamba3_siso.chunk_math import angle_gradient, chunk_angles, reverse_cumsum, rotate_back
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 
 
@@ -112,8 +113,8 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc, the
     if rotated:
         outputs += [("d_inc", jax.ShapeDtypeStruct((bsz, Tp) + slices + (Sp,), F32), grid.head_rows(Sp)),
                     ("d_theta_entry", jax.ShapeDtypeStruct((bsz, nc) + slices + (Sp,), F32), grid.per_chunk(Sp))]
-    out = layout.run_kernel(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients",
-                            geo.config.num_warps_qk)
+    out = layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients",
+                        geo.config.num_warps_qk)
     d_inc = out["d_inc"].reshape(bsz, Tp, H, Sp) if rotated else None
     d_entry = out["d_theta_entry"].reshape(bsz, nc, H, Sp) if rotated else None
     return (out["dQ"].sum(axis=3), out["dK"].sum(axis=3),

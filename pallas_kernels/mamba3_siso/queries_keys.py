@@ -10,7 +10,7 @@ kernel the core runs (one program per (batch row, chunk, group, slice of the gro
 layout.GroupGrid: it
 reads Q, K once, forms each head's angles θ_t = (θ_entry + Σ_{r <= t in the chunk} inc_r) mod 2π from
 the increments, and writes each head's q, k̃ piece by piece); `head_queries_keys` with
-`position_angles` is its pure-JAX reference (XLA took ~0.4 ms for the two at the PERF.md shape; JAX
+`position_angles` is its pure-JAX reference (XLA took ~0.4 ms for the two at the benchmark shape (docs/performance.md); JAX
 differentiates them in tests). The backward is the query/key gradient kernel (qk_gradients.py).
 
 Numerics: float32 throughout; q, k̃ rounded once to the dot operand dtype.
@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.common.dtypes import F32
+from pallas_kernels.common.padding import pad_axis_to
 from pallas_kernels.mamba3_siso import layout
 from pallas_kernels.mamba3_siso.chunk_math import chunk_angles, rotate
 from pallas_kernels.mamba3_siso.config import ScanGeometry
-
-F32 = jnp.float32
 
 
 def rotate_pairs(x, theta):
@@ -41,18 +41,14 @@ def rotate_pairs(x, theta):
     return rotated if 2 * S == x.shape[-1] else jnp.concatenate([rotated, x[..., 2 * S:]], axis=-1)
 
 
-def _pad_last(x, width):
-    extra = width - x.shape[-1]
-    return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
-
-
 def to_kernel_layout(geo: ScanGeometry, x):
     """[..., N] -> [..., Np]: the even, odd and rest pieces of d_state, each zero-padded (config.py)."""
     S = geo.num_angles
     pieces = []
     if geo.angle_width:
-        pieces += [_pad_last(x[..., 0:2 * S:2], geo.angle_width), _pad_last(x[..., 1:2 * S:2], geo.angle_width)]
-    pieces.append(_pad_last(x[..., 2 * S:], geo.rest_width))
+        pieces += [pad_axis_to(x[..., 0:2 * S:2], -1, geo.angle_width),
+                   pad_axis_to(x[..., 1:2 * S:2], -1, geo.angle_width)]
+    pieces.append(pad_axis_to(x[..., 2 * S:], -1, geo.rest_width))
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
 
 
@@ -139,8 +135,8 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc
               ("inc", None if inc is None else grid.per_head(inc), grid.head_rows(geo.angle_width)),
               ("theta_entry", None if inc is None else grid.per_head(theta_entry), grid.per_chunk(geo.angle_width))]
     per_head = jax.ShapeDtypeStruct((bsz, Tp) + slices, mm)
-    out = layout.run_kernel(body, geo, grid, inputs,
-                            [("q", per_head, grid.head_rows(Np)), ("k", per_head, grid.head_rows(Np))],
-                            "mamba3_siso_fwd_queries_keys", geo.config.num_warps_qk)
+    out = layout.launch(body, geo, grid, inputs,
+                        [("q", per_head, grid.head_rows(Np)), ("k", per_head, grid.head_rows(Np))],
+                        "mamba3_siso_fwd_queries_keys", geo.config.num_warps_qk)
     H = geo.heads
     return out["q"].reshape(bsz, Tp, H, Np), out["k"].reshape(bsz, Tp, H, Np)

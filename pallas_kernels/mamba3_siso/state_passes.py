@@ -1,6 +1,6 @@
 """The passes over chunk boundaries: per-chunk contributions (parallel) and their combine (sequential).
 
-Why: the chunked scan (spec §4.3) needs the state S_c entering every chunk c, and the backward (§4.4)
+Why: the chunked scan (docs/mamba3_siso.md §4.3) needs the state S_c entering every chunk c, and the backward (§4.4)
 the adjoint of the state leaving it. Both are short recurrences over the nc chunks:
 
   forward   S_0 = augmented initial state,   S_{c+1} = e^{cs_end,c}·S_c + U_c,
@@ -26,8 +26,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common.dtypes import F32
 from pallas_kernels.mamba3_siso import layout
-from pallas_kernels.mamba3_siso.chunk_math import F32, ChunkDecay, dot, sigmoid
+from pallas_kernels.mamba3_siso.chunk_math import ChunkDecay, dot, sigmoid
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 
 
@@ -59,7 +60,7 @@ def chunk_contributions(geo: ScanGeometry, ops: dict, *, adjoint: bool):
         inputs += [("d_out", ops["d_out"], grid.head_rows(Pp)), ("z", ops["z"], grid.head_rows(Pp))]
     else:
         inputs += [("v", ops["v"], grid.head_rows(Pp))]
-    out = layout.run_kernel(
+    out = layout.launch(
         body, geo, grid, inputs,
         [("out", jax.ShapeDtypeStruct((geo.batch, geo.heads, geo.n_chunks, Pp, Np), F32),
           grid.chunk_state())],
@@ -114,9 +115,9 @@ def combine_chunks(geo: ScanGeometry, contributions, decays, boundary, *, revers
     bsz, H, Pp, Np = geo.batch, geo.heads, geo.padded_headdim, geo.padded_state
     outputs = [("each", jax.ShapeDtypeStruct((bsz, H, nc, Pp, Np), geo.stored_state_dtype), grid.chunk_states()),
                ("last", jax.ShapeDtypeStruct((bsz, H, Pp, Np), F32), grid.state())]
-    out = layout.run_kernel(body, geo, grid, inputs, outputs,
-                            "mamba3_siso_bwd_adjoint_combine" if reverse else "mamba3_siso_fwd_state_combine",
-                            geo.config.num_warps_state)
+    out = layout.launch(body, geo, grid, inputs, outputs,
+                        "mamba3_siso_bwd_adjoint_combine" if reverse else "mamba3_siso_fwd_state_combine",
+                        geo.config.num_warps_state)
     return out["each"], out["last"]
 
 

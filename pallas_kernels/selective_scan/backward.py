@@ -1,7 +1,7 @@
 """Backward kernels of the Pallas selective scan (GPU via Triton; CPU via the Pallas interpreter).
 
 The adjoint of h_t = ā_t·h_{t-1} + β_t runs right to left, dh_t = Gy_t·C_t + ā_{t+1}·dh_{t+1}
-(spec §5.2), while the gradients need h_t and dh_t at the same step. Nothing of size [Bt, T, d, n] is
+(docs/mamba1.md §5.2), while the gradients need h_t and dh_t at the same step. Nothing of size [Bt, T, d, n] is
 stored; instead:
 
   1. `adjoint_summaries` — program (b, channel block, chunk) walks its chunk right to left from a zero
@@ -29,12 +29,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common.dtypes import F32
 from pallas_kernels.selective_scan import layout
 from pallas_kernels.selective_scan.config import ScanProblem
 from pallas_kernels.selective_scan.forward import RowReader, common_inputs
 from pallas_kernels.selective_scan.kernel_math import LN_2, decay, sigmoid, softplus_thresholded_grad
 
-F32 = jnp.float32
 
 
 def output_gradient(rd: RowReader, t, has_z):
@@ -87,7 +87,7 @@ def adjoint_summaries(problem: ScanProblem, ops: dict):
         rd.store("R", c)
 
     nc = problem.n_chunks
-    out = layout.run_kernel(
+    out = layout.launch(
         body, problem, grid,
         common_inputs(problem, grid, ops, ("delta", "z", "d_out", "C", "A_t", "bias", "keep")),
         [("R", jax.ShapeDtypeStruct((bsz, nc, n, problem.d), F32), grid.chunk_state(n, bd)),
@@ -217,5 +217,4 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
         outputs.append(("dD_partial", jax.ShapeDtypeStruct((bsz, nc, d), F32), grid.chunk_vector(bd)))
     if problem.has_bias:
         outputs.append(("d_bias_partial", jax.ShapeDtypeStruct((bsz, nc, d), F32), grid.chunk_vector(bd)))
-    return layout.run_kernel(body, problem, grid, inputs, outputs,
-                             "selective_scan_bwd_chunk_gradients")
+    return layout.launch(body, problem, grid, inputs, outputs, "selective_scan_bwd_chunk_gradients")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.common.dtypes import I32
 from pallas_kernels.selective_scan.config import ScanProblem
 
 ZERO_NAME = "channel_offset"
@@ -31,7 +32,7 @@ def zero_operand(problem: ScanProblem, grid):
     """The (name, array, BlockSpec) of the runtime zero, or None when the hint is off."""
     if not problem.config.hide_channel_alignment:
         return None
-    return (ZERO_NAME, jnp.zeros((1,), jnp.int32), pl.BlockSpec((1,), lambda p: (0,)))
+    return (ZERO_NAME, jnp.zeros((1,), I32), pl.BlockSpec((1,), lambda p: (0,)))
 
 
 class ChannelAccess:

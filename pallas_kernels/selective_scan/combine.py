@@ -19,11 +19,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common.dtypes import F32
 from pallas_kernels.selective_scan import layout
 from pallas_kernels.selective_scan.channels import ChannelAccess, zero_operand
 from pallas_kernels.selective_scan.config import ScanProblem
 
-F32 = jnp.float32
 
 
 def chunk_states(problem: ScanProblem, A_t, local, delta_sums, keep_chunk, boundary, *, reverse: bool):
@@ -70,7 +70,7 @@ def chunk_states(problem: ScanProblem, A_t, local, delta_sums, keep_chunk, bound
         inputs.append(("keep", keep_chunk, grid.all_chunk_flags(nc)))
     if zero_operand(problem, grid):
         inputs.append(zero_operand(problem, grid))
-    out = layout.run_kernel(
+    out = layout.launch(
         body, problem, grid, inputs,
         [("entering", jax.ShapeDtypeStruct((bsz, nc, n, d), F32), grid.all_chunk_states(nc, n, bd)),
          ("last", jax.ShapeDtypeStruct((bsz, n, d), F32), grid.state(n, bd))],

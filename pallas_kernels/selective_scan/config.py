@@ -20,13 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-
-def next_power_of_2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
-def largest_power_of_2_dividing(x: int) -> int:
-    return x & -x
+from pallas_kernels.common.sizes import is_power_of_2, largest_power_of_2_dividing, next_power_of_2, round_up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +60,7 @@ class ScanBlockConfig:
             v = getattr(self, name)
             if v is None and name.startswith("bwd_") and name != "bwd_sub_chunk":
                 continue
-            if not isinstance(v, int) or v < 1 or v & (v - 1):
+            if not is_power_of_2(v):
                 raise ValueError(f"ScanBlockConfig.{name} must be a positive power of two, got {v!r}")
         if not isinstance(self.chunk, int) or self.chunk < 1:
             raise ValueError(f"ScanBlockConfig.chunk must be a positive int, got {self.chunk!r}")
@@ -90,7 +84,7 @@ class ScanBlockConfig:
         step = max(self.fwd_unroll, self.bwd_sub_chunk)
         chunk = self.chunk
         if seqlen < chunk:  # one chunk covers the sequence: round it up to whole unrolled steps
-            chunk = -(-seqlen // step) * step
+            chunk = round_up(seqlen, step)
         return dataclasses.replace(
             self, block_d=fit(self.block_d), chunk=chunk, bwd_block_d=fit(self.bwd_block_d or self.block_d),
             bwd_num_warps=self.bwd_num_warps or self.num_warps).validate()

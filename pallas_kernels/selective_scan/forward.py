@@ -1,7 +1,7 @@
 """Forward kernels of the Pallas selective scan (GPU via Triton; CPU via the Pallas interpreter).
 
 Why two kernels: a single program walking all T steps of its channels is latency bound (one dependent
-row load per step, PERF.md). The time axis is therefore cut into chunks that run in parallel:
+row load per step, BENCHMARKS.md). The time axis is therefore cut into chunks that run in parallel:
 
   1. `chunk_summaries` — program (b, channel block, chunk) runs its chunk from a zero state and writes
      the end state Q_j [n, block_d] and the sum of δ over the chunk S_j [block_d] (the chunk's decay is
@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.common.dtypes import F32
 from pallas_kernels.selective_scan import layout
 from pallas_kernels.selective_scan.channels import ChannelAccess, zero_operand
 from pallas_kernels.selective_scan.config import ScanProblem
 from pallas_kernels.selective_scan.kernel_math import decay, sigmoid, time_step
 
-F32 = jnp.float32
 
 
 def common_inputs(problem: ScanProblem, grid, ops: dict, names) -> list:
@@ -127,7 +127,7 @@ def chunk_summaries(problem: ScanProblem, ops: dict):
         rd.store("Q", h)
         rd.store("S", s)
 
-    out = layout.run_kernel(
+    out = layout.launch(
         body, problem, grid,
         common_inputs(problem, grid, ops, ("u", "delta", "B", "A_t", "bias", "keep")),
         [("Q", jax.ShapeDtypeStruct((bsz, problem.n_chunks, n, problem.d), F32), grid.chunk_state(n, bd)),
@@ -179,7 +179,7 @@ def chunk_outputs(problem: ScanProblem, ops: dict, chunk_start_states):
 
         jax.lax.fori_loop(0, cfg.chunk // unroll, step_group, rd.load("H"))
 
-    out = layout.run_kernel(
+    out = layout.launch(
         body, problem, grid,
         common_inputs(problem, grid, ops, ("u", "delta", "z", "B", "C", "A_t", "D", "bias", "keep"))
         + [("H", chunk_start_states, grid.chunk_state(n, bd))],

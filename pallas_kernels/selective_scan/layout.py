@@ -1,9 +1,8 @@
 """The program grid and block specs shared by the selective-scan kernels: how each array is cut.
 
 Program (b, i, j) owns batch row b, channels [i·block_d, (i+1)·block_d) and time steps
-[j·chunk, (j+1)·chunk). The grid is flattened to one axis (i fastest, so programs that read the same
-B/C rows run together): Triton grids have at most three axes and every `vmap` of a `pallas_call`
-prepends one, so a 1-D grid keeps the kernels usable under (nested) vmap.
+[j·chunk, (j+1)·chunk). The grid is flattened to one axis (common/grid.py: a 1-D grid keeps the
+kernels usable under nested vmap), i fastest, so programs that read the same B/C rows run together.
 
 The arrays the kernels see are already padded (see `scan.py`): T is a multiple of `chunk`, n a power
 of two, and `block_d` divides `d / groups`, so a channel block reads one group of B/C and d needs no
@@ -28,7 +27,9 @@ from __future__ import annotations
 import dataclasses
 
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.common.grid import FlatGrid
+from pallas_kernels.common.launch import run_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,17 +41,21 @@ class ProgramGrid:
     n_chunks: int
 
     @property
+    def flat(self) -> FlatGrid:
+        return FlatGrid((self.batch, self.n_chunks, self.n_blocks))   # channel block fastest
+
+    @property
     def size(self):
-        return (self.batch * self.n_chunks * self.n_blocks,)
+        return self.flat.size
 
     def block(self, p):
-        return p % self.n_blocks
+        return self.flat.coordinate(p, 2)
 
     def chunk(self, p):
-        return (p // self.n_blocks) % self.n_chunks
+        return self.flat.coordinate(p, 1)
 
     def row(self, p):
-        return p // (self.n_blocks * self.n_chunks)
+        return self.flat.coordinate(p, 0)
 
     # ---- block specs (index maps get the flat program id)
     def rows(self, chunk, block_d):
@@ -104,34 +109,13 @@ class ProgramGrid:
         return pl.BlockSpec((None, n, block_d), lambda p: (self.row(p), 0, self.block(p)))
 
 
-def run_kernel(body, problem, grid: ProgramGrid, inputs, outputs, name):
-    """Launches `body` over `grid` with named refs.
+def launch(body, problem, grid: ProgramGrid, inputs, outputs, name):
+    """`common.launch.run_kernel` over `grid` with the problem's launch parameters: the (fitted,
+    forward or backward) config's `num_warps` / `num_stages` and the interpret flag.
 
-    Args:
-      body: `body(refs: dict[str, Ref])`, the kernel.
-      problem: the ScanProblem (interpret flag and Triton launch parameters).
-      grid: the ProgramGrid.
-      inputs: list of (name, array, BlockSpec); outputs: list of (name, ShapeDtypeStruct, BlockSpec).
-      name: kernel name (shows up in profiles).
-
-    Returns:
-      dict name -> output array.
+    inputs: (name, array, BlockSpec); outputs: (name, ShapeDtypeStruct, BlockSpec). Returns the outputs
+    by name.
     """
-    in_names = [n for n, _, _ in inputs]
-    out_names = [n for n, _, _ in outputs]
-
-    def kernel(*refs):
-        body(dict(zip(in_names + out_names, refs)))
-
     cfg = problem.config
-    results = pl.pallas_call(
-        kernel,
-        out_shape=[s for _, s, _ in outputs],
-        grid=grid.size,
-        in_specs=[s for _, _, s in inputs],
-        out_specs=[s for _, _, s in outputs],
-        compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=problem.interpret,
-        name=name,
-    )(*[a for _, a, _ in inputs])
-    return dict(zip(out_names, results))
+    return run_kernel(body, grid=grid.size, inputs=inputs, outputs=outputs, name=name, num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages, interpret=problem.interpret)

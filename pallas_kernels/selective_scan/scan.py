@@ -26,11 +26,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common.dtypes import F32
+from pallas_kernels.common.padding import pad_axis_to
+from pallas_kernels.common.sizes import next_power_of_2, round_up
 from pallas_kernels.selective_scan import backward, combine, forward
-from pallas_kernels.selective_scan.config import DEFAULT_CONFIG, ScanBlockConfig, ScanProblem, next_power_of_2
+from pallas_kernels.selective_scan.config import DEFAULT_CONFIG, ScanBlockConfig, ScanProblem
 from pallas_kernels.selective_scan.kernel_math import LOG2_E
-
-F32 = jnp.float32
 
 
 def selective_scan_pallas(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, *, delta_softplus,
@@ -54,20 +55,18 @@ def selective_scan_pallas(u, delta, A, B, C, D, z, delta_bias, initial_state, re
     n = A.shape[1]
     n_pad, padded_seqlen = problem.n, problem.padded_seqlen
 
-    def pad_time(x):
-        return x if x is None or padded_seqlen == seqlen else jnp.pad(
-            x, [(0, 0), (0, padded_seqlen - seqlen)] + [(0, 0)] * (x.ndim - 2))
+    def pad_time(x):   # [Bt, T, ...] -> [Bt, Tp, ...]; optional operands stay None
+        return None if x is None else pad_axis_to(x, 1, padded_seqlen)
 
-    def pad_state(x, axis):
-        return x if n_pad == n else jnp.pad(x, [(0, n_pad - n) if a == axis else (0, 0) for a in range(x.ndim)])
+    def pad_state(x, axis):   # the d_state axis -> n_pad
+        return pad_axis_to(x, axis, n_pad)
 
     A_t = pad_state(A.astype(F32), 1).T                                     # [n, d]
     h0 = (jnp.zeros((bsz, n_pad, d), F32) if initial_state is None
           else jnp.swapaxes(pad_state(initial_state.astype(F32), 2), 1, 2))  # [Bt, n, d]
     keep = None
     if reset is not None:  # 1.0 keeps the incoming state; padding steps are no resets
-        keep = jnp.pad(jnp.logical_not(reset).astype(F32), [(0, 0), (0, padded_seqlen - seqlen)],
-                       constant_values=1.0)
+        keep = pad_axis_to(jnp.logical_not(reset).astype(F32), 1, padded_seqlen, value=1.0)
     out, last = _scan(problem, pad_time(u), pad_time(delta), A_t, pad_time(pad_state(B, 3)),
                       pad_time(pad_state(C, 3)), None if D is None else D.astype(F32), pad_time(z),
                       None if delta_bias is None else delta_bias.astype(F32), h0, keep)
@@ -84,7 +83,7 @@ def make_problem(u, A, B, D, z, delta_bias, reset, *, delta_softplus, config=Non
     groups = B.shape[2]
     cfg = (config or DEFAULT_CONFIG).validate().fitted(seqlen, d, d // groups)
     return ScanProblem(
-        seqlen=seqlen, padded_seqlen=-(-seqlen // cfg.chunk) * cfg.chunk, d=d, n=next_power_of_2(n),
+        seqlen=seqlen, padded_seqlen=round_up(seqlen, cfg.chunk), d=d, n=next_power_of_2(n),
         group_size=d // groups, has_z=z is not None, has_D=D is not None, has_bias=delta_bias is not None,
         has_reset=reset is not None, softplus=bool(delta_softplus), config=cfg, interpret=interpret)
 

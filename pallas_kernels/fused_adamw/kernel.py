@@ -1,7 +1,7 @@
 """Fused AdamW as a Pallas-Triton kernel: p, m and v of many tensors updated in one launch, in place.
 
 Why it exists: `optax.adamw` runs as several XLA fusions per leaf (moments, bias correction, decay,
-learning-rate scale, `apply_updates`) and reached 1.36 TB/s on an H200 (PERF.md). The AdamW update
+learning-rate scale, `apply_updates`) and reached 1.36 TB/s on an H200 (BENCHMARKS.md). The AdamW update
 is one streaming pass: read p, g, m, v, write p, m, v. This kernel does exactly that.
 
 Per element, in float32 (the scalars come from `AdamWStepScalars`, computed once per step):
@@ -34,6 +34,8 @@ keeps the kernel's pointer arguments (7–8 per leaf) well under CUDA's 4 KiB pa
 p, m, v are aliased input→output (`input_output_aliases`); under `jax.jit(..., donate_argnums=...)`
 XLA updates them in place, with no copy.
 
+Configuration (no Pallas import): config.py (`AdamWStepScalars`, `KernelConfig`, `COMPUTE_DTYPES`).
+
 Backend: GPU through Triton (`pl.pallas_call` with `plt.CompilerParams`); `interpret=True` runs the
 same kernel on CPU for tests. The pure-JAX path with the same numerics is
 `jmamba.optim.adamw_numerics.adamw_leaf_update`.
@@ -43,75 +45,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-f32 = jnp.float32
-COMPUTE_DTYPES = (jnp.bfloat16, jnp.float16)
-
-
-class AdamWStepScalars(NamedTuple):
-    """The per-step float32 scalars of the AdamW update (runtime values: changing them never recompiles).
-
-    Attributes:
-      b1, one_minus_b1, b2, one_minus_b2: moment decay rates and their complements (computed in
-        float64 on the host when the betas are Python floats).
-      eps: added after the square root.
-      step_size: lr / (1 − b1^t).
-      sqrt_bc2: √(1 − b2^t).
-      lr_wd: lr · weight_decay (used only on decayed leaves).
-      grad_scale: multiplies the gradient (1 = none; a clipping factor or 1/loss_scale).
-      skip: nonzero = leave p, m, v unchanged (e.g. non-finite gradients under loss scaling).
-    """
-
-    b1: jax.Array
-    one_minus_b1: jax.Array
-    b2: jax.Array
-    one_minus_b2: jax.Array
-    eps: jax.Array
-    step_size: jax.Array
-    sqrt_bc2: jax.Array
-    lr_wd: jax.Array
-    grad_scale: jax.Array
-    skip: jax.Array
-
-    def as_vector(self) -> jax.Array:
-        return jnp.stack([jnp.asarray(s, f32).reshape(()) for s in self])
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-    """Launch shape of the fused AdamW kernel.
-
-    Attributes:
-      block_size: elements per program (a power of 2).
-      num_warps: Triton warps per program.
-      max_leaves_per_call: leaves sharing one launch (bounds the kernel's argument list).
-      interpret: run in the Pallas interpreter; None = when JAX's default backend is the CPU
-        (False lets a CPU machine lower the real Triton kernel for an abstract GPU).
-    """
-
-    block_size: int = 2048
-    num_warps: int = 4
-    max_leaves_per_call: int = 32
-    interpret: Optional[bool] = None
-
-    def validate(self) -> "KernelConfig":
-        for name in ("block_size", "num_warps", "max_leaves_per_call"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"kernel_config.{name} must be a positive int, got {v!r}")
-        if self.interpret is not None and not isinstance(self.interpret, bool):
-            raise ValueError(f"kernel_config.interpret must be None or a bool, got {self.interpret!r}")
-        for name in ("block_size", "num_warps"):
-            v = getattr(self, name)
-            if v & (v - 1):
-                raise ValueError(f"kernel_config.{name} must be a power of 2, got {v}")
-        return self
+from pallas_kernels.common.dtypes import F32, I32, is_sixteen_bit_float
+from pallas_kernels.common.sizes import ceil_div
+from pallas_kernels.fused_adamw.config import AdamWStepScalars, KernelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,12 +70,12 @@ def _update_block(scal_ref, p_in, g_in, m_in, v_in, p_out, m_out, v_out, c_out, 
     window = pl.ds(offset, block_size)
     mask = None
     if slot.size % block_size:   # only the leaf's last block can run past its end
-        mask = offset + jnp.arange(block_size, dtype=jnp.int32) < slot.size
+        mask = offset + jnp.arange(block_size, dtype=I32) < slot.size
 
     def load(ref):
         if mask is None:   # (Triton rejects `other` without a mask)
-            return plt.load(ref.at[window]).astype(f32)
-        return plt.load(ref.at[window], mask=mask, other=0).astype(f32)
+            return plt.load(ref.at[window]).astype(F32)
+        return plt.load(ref.at[window], mask=mask, other=0).astype(F32)
 
     def store(ref, x):
         plt.store(ref.at[window], x.astype(ref.dtype), mask=mask)
@@ -161,7 +104,7 @@ def _kernel(scal_ref, *refs, slots: Sequence[_LeafSlot], block_size: int, with_c
     per_out = 4 if with_copy else 3
     pid = pl.program_id(0)
     for k, slot in enumerate(slots):
-        last_block = slot.first_block + pl.cdiv(slot.size, block_size)
+        last_block = slot.first_block + ceil_div(slot.size, block_size)
 
         @pl.when((pid >= slot.first_block) & (pid < last_block))
         def _(k=k, slot=slot):
@@ -174,10 +117,10 @@ def _one_launch(scalars, ps, gs, ms, vs, decay, compute_dtype, cfg: KernelConfig
     slots, first = [], 0
     for p, d in zip(ps, decay):
         slots.append(_LeafSlot(size=int(p.size), first_block=first, decay=bool(d)))
-        first += pl.cdiv(int(p.size), cfg.block_size)
+        first += ceil_div(int(p.size), cfg.block_size)
     out_shape = []
     for p in ps:
-        out_shape += [jax.ShapeDtypeStruct(p.shape, f32)] * 3
+        out_shape += [jax.ShapeDtypeStruct(p.shape, F32)] * 3
         if compute_dtype is not None:
             out_shape.append(jax.ShapeDtypeStruct(p.shape, compute_dtype))
     per_out = 3 if compute_dtype is None else 4
@@ -227,7 +170,7 @@ def fused_adamw_leaves(params: Sequence[jax.Array], grads: Sequence[jax.Array],
             raise ValueError(f"{name} must have one entry per parameter leaf ({n}), got {len(xs)}")
     for k in range(n):
         for name, x in (("params", params[k]), ("mus", mus[k]), ("nus", nus[k])):
-            if x.dtype != f32:
+            if x.dtype != F32:
                 raise TypeError(f"{name}[{k}] must be float32, got {x.dtype}")
         for name, x in (("grads", grads[k]), ("mus", mus[k]), ("nus", nus[k])):
             if x.shape != params[k].shape:
@@ -237,7 +180,7 @@ def fused_adamw_leaves(params: Sequence[jax.Array], grads: Sequence[jax.Array],
             raise TypeError(f"grads[{k}] must be floating, got {grads[k].dtype}")
         if params[k].size >= 2 ** 31 - cfg.block_size:
             raise ValueError(f"params[{k}] has {params[k].size} elements; int32 offsets allow < 2**31")
-    if compute_dtype is not None and jnp.dtype(compute_dtype) not in [jnp.dtype(d) for d in COMPUTE_DTYPES]:
+    if compute_dtype is not None and not is_sixteen_bit_float(compute_dtype):
         raise ValueError(f"compute_dtype must be None, bfloat16 or float16, got {compute_dtype!r}")
     if not isinstance(scalars, AdamWStepScalars):
         raise TypeError(f"scalars must be an AdamWStepScalars, got {type(scalars).__name__}")
