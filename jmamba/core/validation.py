@@ -1,7 +1,8 @@
-"""Argument checks shared by the ops: clear `TypeError`/`ValueError`s naming the argument."""
+"""Argument checks shared by every layer: clear `TypeError`/`ValueError`s naming the argument."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -37,5 +38,36 @@ def check_bool_mask(name, x, shapes, what):
         raise TypeError(f"{name} must be a bool mask, got dtype {dt}")
 
 
+def check_bool(name, v):
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+
+
+def check_positive_int(name, v):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
+def normalize_reset(reset, bsz, seqlen, name="reset"):
+    """Checks a `[Bt]` or `[Bt, T]` bool reset mask and returns it as `[Bt, T]` (None stays None).
+
+    A row mask `[Bt]` acts at t = 0: True zeroes the state entering the row's first position.
+    """
+    if reset is None:
+        return None
+    check_bool_mask(name, reset, [(bsz,), (bsz, seqlen)], "[batch] or [batch, seqlen]")
+    reset = jnp.asarray(reset, bool)
+    if reset.ndim == 1:
+        return jnp.zeros((bsz, seqlen), bool).at[:, 0].set(reset)
+    return reset
+
+
 def _fmt(shape):
     return "(" + ", ".join("?" if e is None else str(e) for e in shape) + ")"
+
+
+def is_static_number(x) -> bool:
+    """True for Python/numpy numbers and concrete 0-d arrays (values known while tracing)."""
+    if isinstance(x, jax.core.Tracer):
+        return False
+    return isinstance(x, (int, float, np.number)) or (hasattr(x, "shape") and np.shape(x) == ())

@@ -1,9 +1,40 @@
-"""The kernel boundary: every op the models call, each with several implementations.
+"""The kernel boundary: every op the models and the optimizer call, each with several implementations.
 
-`implementation=None` picks the best available on the current backend (see `dispatch`).
+Public names (models, training and users import only these):
+  scans:       selective_scan, mamba3_siso_scan          (+ their states and tuning types)
+  decode:      selective_scan_step, mamba3_siso_step
+  optimizer:   adamw_update, step_scalars, bias_correction, AdamWTuning, AdamWKernelConfig
+  elementwise: softplus_thresholded
+  choosing:    dispatch (`dispatch.prefer`), tuning / current_tuning / set_default_tuning
+
+Both scan ops share one calling convention: arrays positional; options keyword-only with the same
+names (`initial_state`, `return_final_state`, `reset`, `implementation`, `tuning`); the result is
+`out` or `(out, state)` with a NamedTuple state. `implementation=None` picks the best available on
+the current backend (see `dispatch`); tuning knobs (chunk sizes, kernel configs) are per-op
+settings (see `tuning`), never model config.
 """
 
-from jmamba.ops.mamba3_siso_scan import mamba3_siso_scan
-from jmamba.ops.selective_scan import selective_scan
+import warnings as _warnings
 
-__all__ = ["mamba3_siso_scan", "selective_scan"]
+from jmamba.ops import dispatch
+from jmamba.ops.adamw import AdamWKernelConfig, AdamWTuning, adamw_update, bias_correction, step_scalars
+from jmamba.ops.mamba3_siso_scan import Mamba3ScanState, Mamba3ScanTuning, mamba3_siso_scan, mamba3_siso_step
+from jmamba.ops.selective_scan import (SelectiveScanState, SelectiveScanTuning, selective_scan,
+                                       selective_scan_step)
+from jmamba.ops.selective_scan.common import softplus_thresholded
+from jmamba.ops.tuning import current_tuning, set_default_tuning, tuning
+
+__all__ = ["AdamWKernelConfig", "AdamWTuning", "Mamba3ScanState", "Mamba3ScanTuning", "SelectiveScanState", "SelectiveScanTuning",
+           "adamw_update", "bias_correction", "current_tuning", "dispatch", "mamba3_siso_scan",
+           "mamba3_siso_step", "selective_scan", "selective_scan_step", "set_default_tuning",
+           "softplus_thresholded", "step_scalars", "tuning"]
+
+_RENAMED = {"Mamba3ScanStates": "Mamba3ScanState"}
+
+
+def __getattr__(name):
+    if name in _RENAMED:
+        _warnings.warn(f"jmamba.ops.{name} is deprecated; use jmamba.ops.{_RENAMED[name]}",
+                       DeprecationWarning, stacklevel=2)
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module 'jmamba.ops' has no attribute {name!r}")

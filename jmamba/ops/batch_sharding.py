@@ -15,7 +15,7 @@ import functools
 import jax
 from jax.sharding import PartitionSpec as P
 
-DATA_AXIS = "data"
+from jmamba.core.axes import DATA_AXIS
 
 
 def data_axis_size() -> int:

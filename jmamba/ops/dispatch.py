@@ -1,12 +1,15 @@
 """Choosing an implementation of an op: `"reference" | "xla" | "pallas"` or automatic.
 
-Every op (`selective_scan`, `mamba3_siso_scan`) registers its implementations here with a
-`supported(**arrays) -> str | None` predicate that explains, in words, why an implementation cannot
-handle a call. The rules (API.md):
+Every op (`selective_scan`, `selective_scan_step`, `mamba3_siso_scan`, `mamba3_siso_step`,
+`adamw_update`) registers its implementations here with a `supported(**arrays) -> str | None`
+predicate that explains, in words, why an implementation cannot handle a call. The rules
+(docs/api.md):
 
 * an explicitly requested implementation that cannot run raises `NotImplementedError` with the reason;
 * `implementation=None` walks the backend's preference list, takes the first that supports the call,
-  and warns once per (op, implementation, reason) when it had to skip a better one.
+  and warns once per (op, implementation, reason) when it had to skip a better one. An op that has
+  no implementation of some name (e.g. no Pallas kernel for a decode step) simply does not take
+  part in that name's turn: nothing better was skipped, so nothing is said.
 
 The model layer only ever calls the op; it never names an implementation.
 """
@@ -94,6 +97,11 @@ def default_platform() -> str:
     return jax.default_backend()
 
 
+def registered(op: str) -> tuple[str, ...]:
+    """Names of the implementations registered for `op` (in IMPLEMENTATIONS order)."""
+    return tuple(n for n in IMPLEMENTATIONS if n in _REGISTRY.get(op, {}))
+
+
 def choose(op: str, implementation: str | None, platform: str | None = None, **call) -> Implementation:
     """Returns the implementation of `op` to run for this call.
 
@@ -120,6 +128,8 @@ def choose(op: str, implementation: str | None, platform: str | None = None, **c
     platform = platform or default_platform()
     skipped = []
     for name in _AUTO_ORDER.get(platform, ("xla",)):
+        if name not in _REGISTRY.get(op, {}):
+            continue
         impl = _load(op, name)
         reason = impl if isinstance(impl, str) else impl.supported(platform=platform, **call)
         if reason is None:

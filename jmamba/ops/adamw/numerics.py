@@ -1,4 +1,4 @@
-"""AdamW numerics shared by every path: the per-step scalars and the pure-JAX per-leaf update.
+"""AdamW numerics shared by every implementation of `adamw_update`: the per-step scalars.
 
 torch.optim.AdamW (decoupled weight decay on the old parameter, eps after the square root):
 
@@ -27,29 +27,22 @@ If a beta is itself traced (e.g. `optax.inject_hyperparams` without `static_args
 log b is taken in float32 from the rounded beta; pass the betas as static floats to keep the
 accuracy above.
 
-The pure-JAX leaf update (`adamw_leaf_update`) is the "xla" implementation: XLA fuses it into one
-multi-output loop per leaf (read p, g, m, v; write p, m, v: 28 bytes per parameter).
+The per-leaf update itself is in `reference.py` (plain JAX) and `pallas_kernels/fused_adamw` (the
+kernel); both take the `AdamWStepScalars` built here.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmamba.core.validation import is_static_number
 from pallas_kernels.fused_adamw import AdamWStepScalars
 
 f32 = jnp.float32
-
-
-def is_static_number(x: Any) -> bool:
-    """True for Python/numpy numbers and concrete 0-d arrays (values known while tracing)."""
-    if isinstance(x, jax.core.Tracer):
-        return False
-    return isinstance(x, (int, float, np.number)) or (hasattr(x, "shape") and np.shape(x) == ())
 
 
 def log_beta(beta, name: str) -> jax.Array:
@@ -109,25 +102,3 @@ def step_scalars(*, learning_rate, b1, b2, eps, weight_decay, step, grad_scale=N
         grad_scale=jnp.asarray(1.0 if grad_scale is None else grad_scale, f32),
         skip=jnp.asarray(False if skip is None else skip).astype(f32),
     )
-
-
-def adamw_leaf_update(p, g, m, v, s: AdamWStepScalars, *, decay: bool):
-    """One AdamW step of one leaf in plain JAX (float32), the same arithmetic as the Pallas kernel.
-
-    Args:
-      p, m, v: float32 arrays of one shape; g: a float array of that shape.
-      s: this step's scalars.
-      decay: apply the decoupled weight decay to this leaf.
-
-    Returns:
-      (p', m', v') float32.
-    """
-    g = g.astype(f32) * s.grad_scale
-    m_new = s.b1 * m + s.one_minus_b1 * g
-    v_new = s.b2 * v + s.one_minus_b2 * (g * g)
-    denom = jnp.sqrt(v_new) / s.sqrt_bc2 + s.eps
-    step = s.step_size * (m_new / denom)
-    # One rounding at the parameter's scale (see pallas_kernels/fused_adamw.py on torch's two).
-    p_new = p - (s.lr_wd * p + step if decay else step)
-    keep = s.skip != 0
-    return jnp.where(keep, p, p_new), jnp.where(keep, m, m_new), jnp.where(keep, v, v_new)

@@ -1,14 +1,15 @@
 """Pieces shared by every `mamba3_siso_scan` implementation and by the Mamba-3 decode step.
 
-Everything here computes in the accumulation dtype (`jmamba.dtypes.accum_dtype`: float32, or
+Everything here computes in the accumulation dtype (`jmamba.core.dtypes.accum_dtype`: float32, or
 float64 when an input is float64). Shapes use Bt batch, T time, H heads, G groups, N d_state,
-P headdim, S rope angles (spec/mamba3_siso.md §0).
+P headdim, S rope angles (docs/mamba3_siso.md §0).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +17,9 @@ import jax.numpy as jnp
 TWO_PI = 2.0 * math.pi
 
 
-class Mamba3ScanStates(NamedTuple):
-    """The four recurrent states of a Mamba-3 SISO scan (official `Input_States` order).
+class Mamba3ScanState(NamedTuple):
+    """The four recurrent states of a Mamba-3 SISO scan (official `Input_States` order); also the
+    recurrent state of one Mamba-3 layer (`jmamba.Mamba3LayerState` is this class).
 
     Attributes:
       angle: [Bt, H, S] accumulated RoPE angle θ_{T-1}, wrapped into [0, 2π).
@@ -32,8 +34,27 @@ class Mamba3ScanStates(NamedTuple):
     v: jax.Array
 
 
-def zero_states(bsz, H, P, N, S, dtype) -> Mamba3ScanStates:
-    return Mamba3ScanStates(jnp.zeros((bsz, H, S), dtype), jnp.zeros((bsz, H, P, N), dtype),
+@dataclasses.dataclass(frozen=True)
+class Mamba3ScanTuning:
+    """Tuning of `mamba3_siso_scan` (speed and rounding only; see `jmamba.ops.tuning`).
+
+    Attributes:
+      chunk_size: chunk length of the chunked implementations ("xla" uses it as given; the Pallas
+        kernels round it to a power of two in [16, 128]). It must not change results beyond rounding.
+      pallas_config: a `pallas_kernels.mamba3_siso.Mamba3ScanConfig` (None: the kernels' default).
+    """
+
+    chunk_size: int = 64
+    pallas_config: Any = None
+
+    def __post_init__(self):
+        c = self.chunk_size
+        if isinstance(c, bool) or not isinstance(c, int) or c <= 0:
+            raise ValueError(f"chunk_size must be a positive int, got {c!r}")
+
+
+def zero_states(bsz, H, P, N, S, dtype) -> Mamba3ScanState:
+    return Mamba3ScanState(jnp.zeros((bsz, H, S), dtype), jnp.zeros((bsz, H, P, N), dtype),
                             jnp.zeros((bsz, H, N), dtype), jnp.zeros((bsz, H, P), dtype))
 
 
@@ -45,7 +66,7 @@ def expand_groups(x, nheads):
 def rotate_pairs(x, theta):
     """Rotates adjacent pairs (2a, 2a+1) of x by +θ_a for a < S; dims 2S.. pass through.
 
-    x: [..., N]; theta: [..., S] with S <= N/2 (broadcastable leading dims). Spec §3.2 step 10.
+    x: [..., N]; theta: [..., S] with S <= N/2 (broadcastable leading dims). docs/mamba3_siso.md §3.2 step 10.
     """
     S = theta.shape[-1]
     x0, x1 = x[..., 0:2 * S:2], x[..., 1:2 * S:2]
@@ -60,12 +81,12 @@ def angle_increment(angles, dt):
 
 
 def wrap_angle(theta):
-    """Floor-mod into [0, 2π); its derivative is 1 (spec §4.4 step 5 treats the wrap as identity)."""
+    """Floor-mod into [0, 2π); its derivative is 1 (docs/mamba3_siso.md §4.4 step 5 treats the wrap as identity)."""
     return jnp.mod(theta, TWO_PI)
 
 
-def siso_step(states: Mamba3ScanStates, q_bar, k_bar, v, adt, dt, trap, angles, D, z):
-    """One step of the trapezoidal recurrence (spec §3.2 steps 9-12, §6.1), all heads at once.
+def siso_step(states: Mamba3ScanState, q_bar, k_bar, v, adt, dt, trap, angles, D, z):
+    """One step of the trapezoidal recurrence (docs/mamba3_siso.md §3.2 steps 9-12, §6.1), all heads at once.
 
     Args:
       states: the incoming states (angle [Bt,H,S], ssm [Bt,H,P,N], k [Bt,H,N], v [Bt,H,P]).
@@ -91,4 +112,39 @@ def siso_step(states: Mamba3ScanStates, q_bar, k_bar, v, adt, dt, trap, angles, 
         y = y + D[:, None] * v
     if z is not None:
         y = y * jax.nn.silu(z)
-    return y, Mamba3ScanStates(theta, h, k, v)
+    return y, Mamba3ScanState(theta, h, k, v)
+
+
+def trapezoid_weights(DT, Trap, acc):
+    """The per-position weights of the chunked forms (docs/mamba3_siso.md §4.1), [Bt, T, H] in `acc`.
+
+    Returns (γ, β/α, s): γ_t = λ_t·DT_t, β_t/α_t = DT_t(1 − λ_t), and the key scale
+    s_t = γ_t + σ̂_t with σ̂_t = DT_{t+1}(1 − λ_{t+1}) (0 at the window end): the β term of step t+1
+    moved onto key t. λ = σ(Trap).
+    """
+    dt = DT.astype(acc)
+    lam = jax.nn.sigmoid(Trap.astype(acc))
+    gamma = lam * dt
+    prev_weight = dt * (1.0 - lam)                                      # β_t / α_t
+    shifted = jnp.concatenate([prev_weight[:, 1:], jnp.zeros_like(prev_weight[:, :1])], axis=1)   # σ̂_t
+    return gamma, prev_weight, gamma + shifted
+
+
+def entering_ssm(state: Mamba3ScanState, prev_weight0):
+    """S_0 = h_{-1} + DT_0(1 − λ_0)·v_{-1}k_{-1}ᵀ [Bt, H, P, N]: the carried state with the β_0 term of
+    the carried (k, v) folded in (docs/mamba3_siso.md §4.1); prev_weight0 [Bt, H]."""
+    return state.ssm + prev_weight0[..., None, None] * state.v[..., :, None] * state.k[..., None, :]
+
+
+def biased_diagonal(Q, K, Q_bias, K_bias, H, acc):
+    """⟨q̄_t, k̄_t⟩ per head [Bt, T, H] in `acc`, q̄ = Q[g] + Q_bias[h], without forming [Bt, T, H, N]:
+    ⟨Q, K⟩ + ⟨Q, K_bias[h]⟩ + ⟨Q_bias[h], K⟩ + ⟨Q_bias[h], K_bias[h]⟩."""
+    bsz, T, G, N = Q.shape
+    hi = jax.lax.Precision.HIGHEST
+    q, k = Q.astype(acc), K.astype(acc)
+    qb = Q_bias.astype(acc).reshape(G, H // G, N)
+    kb = K_bias.astype(acc).reshape(G, H // G, N)
+    both = jnp.sum(q * k, axis=-1)[..., None]                                       # [Bt, T, G, 1]
+    cross = (jnp.einsum("btgn,gjn->btgj", q, kb, precision=hi)
+             + jnp.einsum("btgn,gjn->btgj", k, qb, precision=hi))                     # [Bt, T, G, H/G]
+    return (both + cross + jnp.sum(qb * kb, axis=-1)).reshape(bsz, T, H)

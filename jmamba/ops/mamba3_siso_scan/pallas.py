@@ -13,25 +13,27 @@ read as dot operands, and by ⟨S, dS⟩ in dADT); `out` rounded once to V.dtype
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from jmamba.ops.mamba3_siso_scan.common import Mamba3ScanStates
+from jmamba.core.validation import shape_of
+from jmamba.ops.mamba3_siso_scan.common import (
+    Mamba3ScanState, Mamba3ScanTuning, angle_increment, biased_diagonal, entering_ssm, expand_groups, rotate_pairs,
+    trapezoid_weights)
 from jmamba.ops.pallas_platform import interpret_mode, triton_platform_reason
-from jmamba.ops.validation import shape_of
 
 # Beyond these the per-program tiles ([chunk, d_state] queries/keys and their gradients, [headdim,
 # d_state] states) no longer fit in registers; the kernels are tuned and tested for N=128, P=64.
 MAX_D_STATE = 256
 MAX_HEADDIM = 128
+F32 = jnp.float32
 
 
-def supported(*, platform, Q, V, Angles, initial_states=None, reset=None, chunk_size=64, **_):
+def supported(*, platform, Q, V, Angles, initial_state=None, reset=None, tuning=None, **_):
     """None when the Pallas kernels can run this call on `platform`, else the reason in words."""
     reason = triton_platform_reason(platform, "the Pallas Mamba-3 SISO kernels")
     if reason:
         return reason
-    arrays = [Q, V, Angles] + ([] if initial_states is None else list(initial_states))
+    arrays = [Q, V, Angles] + ([] if initial_state is None else list(initial_state))
     if any(jnp.result_type(x) == jnp.float64 for x in arrays):
         return "float64 inputs are not supported by the Pallas kernels (they compute in float32); use 'reference'"
     if reset is not None:
@@ -47,19 +49,43 @@ def supported(*, platform, Q, V, Angles, initial_states=None, reset=None, chunk_
     if P > MAX_HEADDIM:
         return (f"headdim P={P} > {MAX_HEADDIM}: the kernels hold [chunk, P] and [P, N] tiles in registers, "
                 f"which would spill")
-    del chunk_size  # any positive chunk_size is rounded to a power of two in [16, 128]
+    del tuning  # any positive chunk_size is rounded to a power of two in [16, 128]
     return None
 
 
-def mamba3_siso_scan_pallas(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, initial_states, reset, *,
-                            chunk_size, config=None):
-    """The op's implementation signature (see api.py); `config`: a Mamba3ScanConfig or None."""
-    from pallas_kernels.mamba3_siso import mamba3_siso_scan_pallas as kernel_scan
+def mamba3_siso_scan_pallas(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, z, initial_state, reset, *,
+                            tuning=None):
+    """The op's implementation contract (see api.py) around the kernels' `chunked_scan`.
 
-    interpret = interpret_mode()
-    out, final = kernel_scan(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, initial_states, reset,
-                             chunk_size=chunk_size, config=config, interpret=interpret)
-    return out, Mamba3ScanStates(*final)
+    The per-position work is done here in float32 with the helpers the XLA implementation uses
+    (common.py), and differentiated by JAX: the trapezoid weights (s = γ + σ̂), the skip term
+    D + γ⟨q̄, k̄⟩ (without forming [Bt, T, H, N]), the angle increments π·tanh(Angles)·DT, the
+    entering state with the β_0 term folded in, and the final key R(θ_{T-1})(K_{T-1} + K_bias).
+    `tuning`: a `Mamba3ScanTuning` (its chunk_size and pallas_config, a Mamba3ScanConfig or None).
+    """
+    from pallas_kernels.mamba3_siso import chunked_scan
+
+    if reset is not None:
+        raise NotImplementedError("reset: the Pallas Mamba-3 SISO kernels do not support reset masks")
+    tuning = tuning or Mamba3ScanTuning()
+    bsz, T, H, P = V.shape
+    N = Q.shape[-1]
+    S = Angles.shape[-1]
+    gamma, prev_weight, scale = trapezoid_weights(DT, Trap, F32)
+    skip = gamma * biased_diagonal(Q, K, Q_bias, K_bias, H, F32)
+    if D is not None:
+        skip = skip + D.astype(F32)
+    if initial_state is None:
+        angle0, s0 = jnp.zeros((bsz, H, S), F32), jnp.zeros((bsz, H, P, N), F32)
+    else:
+        state = Mamba3ScanState(*(x.astype(F32) for x in initial_state))
+        angle0, s0 = state.angle, entering_ssm(state, prev_weight[:, 0])
+    inc = angle_increment(Angles.astype(F32), DT.astype(F32)) if S else None
+    out, ssm, theta = chunked_scan(Q, K, V, Q_bias, K_bias, scale, skip, ADT, inc, angle0, s0, z,
+                                   chunk_size=tuning.chunk_size, config=tuning.pallas_config,
+                                   interpret=interpret_mode())
+    k_last = expand_groups(K[:, T - 1].astype(F32), H) + K_bias.astype(F32)            # [Bt, H, N]
+    return out, Mamba3ScanState(theta, ssm, rotate_pairs(k_last, theta), V[:, T - 1].astype(F32))
 
 
 def implementation():

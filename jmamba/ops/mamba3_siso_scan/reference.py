@@ -1,6 +1,6 @@
 """Reference Mamba-3 SISO scan: a sequential `lax.scan` over time (the oracle for xla and pallas).
 
-It is spec/mamba3_siso.md §6.1 verbatim, vectorised over batch and heads: per step the angle is
+It is docs/mamba3_siso.md §6.1 verbatim, vectorised over batch and heads: per step the angle is
 accumulated and wrapped, q̄/k̄ are rotated, and h_t = α h_{t-1} + β v_{t-1}k_{t-1}ᵀ + γ v_t k_tᵀ.
 
 Numerics: every input is cast to the accumulation dtype first (float32; float64 stays float64 for
@@ -14,17 +14,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jmamba.dtypes import accum_dtype
-from jmamba.ops.mamba3_siso_scan.common import Mamba3ScanStates, expand_groups, siso_step, zero_states
+from jmamba.core.dtypes import accum_dtype
+from jmamba.ops.mamba3_siso_scan.common import Mamba3ScanState, expand_groups, siso_step, zero_states
 
 
 def mamba3_siso_scan_reference(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, initial_states,
-                               reset, *, chunk_size):
+                               reset, *, tuning=None):
     """Sequential scan; the normalized implementation contract of `mamba3_siso_scan` (see api.py).
 
-    `chunk_size` is accepted for the common signature and ignored.
+    `tuning` is accepted for the common signature and ignored.
     """
-    del chunk_size
+    del tuning
     bsz, T, H, P = V.shape
     N = Q.shape[-1]
     S = Angles.shape[-1]
@@ -35,13 +35,13 @@ def mamba3_siso_scan_reference(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D
     k_bar = expand_groups(K.astype(acc), H) + K_bias.astype(acc)
     Df = None if D is None else D.astype(acc)
     states = (zero_states(bsz, H, P, N, S, acc) if initial_states is None
-              else Mamba3ScanStates(*(s.astype(acc) for s in initial_states)))
+              else Mamba3ScanState(*(s.astype(acc) for s in initial_states)))
     rs = jnp.zeros((bsz, T), bool) if reset is None else reset
 
     def step(carry, xs):
         q_t, k_t, v_t, a_t, dt_t, tr_t, ang_t, z_t, r_t = xs
-        # a reset forgets all four incoming states: the row restarts as a fresh sequence (spec §3.3)
-        carry = Mamba3ScanStates(*(jnp.where(r_t.reshape((bsz,) + (1,) * (s.ndim - 1)), 0.0, s) for s in carry))
+        # a reset forgets all four incoming states: the row restarts as a fresh sequence (docs/mamba3_siso.md §3.3)
+        carry = Mamba3ScanState(*(jnp.where(r_t.reshape((bsz,) + (1,) * (s.ndim - 1)), 0.0, s) for s in carry))
         y, carry = siso_step(carry, q_t, k_t, v_t, a_t, dt_t, tr_t, ang_t, Df, z_t)
         return carry, y
 

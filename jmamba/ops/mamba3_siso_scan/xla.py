@@ -1,4 +1,4 @@
-"""Fast pure-JAX Mamba-3 SISO scan: the chunked form of spec/mamba3_siso.md §4.1-§4.3.
+"""Fast pure-JAX Mamba-3 SISO scan: the chunked form of docs/mamba3_siso.md §4.1-§4.3.
 
 Why: the sequential recurrence is latency bound (one [Bt, H, P, N] update per step). Here time is
 cut into chunks of `chunk_size`; inside a chunk everything is dense matmuls, and only one small
@@ -29,16 +29,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jmamba.dtypes import accum_dtype
+from jmamba.core.dtypes import accum_dtype
 from jmamba.ops.mamba3_siso_scan.common import (
-    Mamba3ScanStates, angle_increment, expand_groups, rotate_pairs, wrap_angle, zero_states)
+    Mamba3ScanState, angle_increment, entering_ssm, expand_groups, rotate_pairs, trapezoid_weights, wrap_angle,
+    zero_states)
 
 HI = jax.lax.Precision.HIGHEST
 
 
 def mamba3_siso_scan_xla(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, initial_states,
-                         reset, *, chunk_size):
-    """Chunked scan; the normalized implementation contract of `mamba3_siso_scan` (see api.py)."""
+                         reset, *, tuning):
+    """Chunked scan; the normalized implementation contract of `mamba3_siso_scan` (see api.py).
+
+    `tuning.chunk_size` is the chunk length."""
+    chunk_size = tuning.chunk_size
     bsz, T, H, P = V.shape
     S = Angles.shape[-1]
     N = Q.shape[-1]
@@ -49,26 +53,20 @@ def mamba3_siso_scan_xla(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, i
     nc = -(-T // lc)
     pad = nc * lc - T
 
-    # ---- per-position preprocessing (spec §4.1), [Bt, T, ...]
+    # ---- per-position preprocessing (docs/mamba3_siso.md §4.1), [Bt, T, ...]
     q_bar = expand_groups(Q.astype(acc), H) + Q_bias.astype(acc)          # [Bt, T, H, N]
     k_bar = expand_groups(K.astype(acc), H) + K_bias.astype(acc)
     v = V.astype(acc)
-    dt = DT.astype(acc)
-    lam = jax.nn.sigmoid(Trap.astype(acc))
-    gamma = lam * dt
-    prev_weight = dt * (1.0 - lam)                                      # β_t / α_t
-    shifted = jnp.concatenate([prev_weight[:, 1:], jnp.zeros((bsz, 1, H), acc)], axis=1)   # σ̂_t
-    scale = gamma + shifted
+    gamma, prev_weight, scale = trapezoid_weights(DT, Trap, acc)
     delta = gamma * jnp.sum(q_bar * k_bar, axis=-1)                     # rotation-invariant diagonal
-    inc = angle_increment(Angles.astype(acc), dt)                       # [Bt, T, H, S]
+    inc = angle_increment(Angles.astype(acc), DT.astype(acc))          # [Bt, T, H, S]
     init = (zero_states(bsz, H, P, N, S, acc) if initial_states is None
-            else Mamba3ScanStates(*(s.astype(acc) for s in initial_states)))
+            else Mamba3ScanState(*(s.astype(acc) for s in initial_states)))
     rs = jnp.zeros((bsz, T), bool) if reset is None else reset
     seg = jnp.cumsum(rs.astype(jnp.int32), axis=1)                      # segment id of each position
     seg_in = seg - rs.astype(jnp.int32)                                 # segment of the state entering t
 
-    # augmented initial state: the β_0 term of the carried (k, v) folded into the ssm state
-    S0 = init.ssm + prev_weight[:, 0, :, None, None] * init.v[..., :, None] * init.k[..., None, :]
+    S0 = entering_ssm(init, prev_weight[:, 0])       # the β_0 term of the carried (k, v) folded in
 
     def chunks(x, mode="constant"):       # [Bt, T, ...] -> [Bt, nc, lc, ...]
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode=mode)
@@ -131,7 +129,7 @@ def mamba3_siso_scan_xla(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, i
     y = y.reshape(bsz, nc * lc, H, P)[:, :T]
     if Z is not None:
         y = y * jax.nn.silu(Z.astype(acc))
-    final = Mamba3ScanStates(
+    final = Mamba3ScanState(
         angle=theta.reshape(bsz, nc * lc, H, S)[:, T - 1],
         ssm=S_final,
         k=k.reshape(bsz, nc * lc, H, N)[:, T - 1],

@@ -1,12 +1,51 @@
-"""Pieces shared by every selective-scan implementation (pure JAX, float32)."""
+"""Pieces shared by every selective-scan implementation and the decode step (pure JAX, float32):
+the state and tuning types, the thresholded softplus, δ preparation and the group expansion."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
-from jmamba.dtypes import accum_dtype
+from jmamba.core.dtypes import accum_dtype
+
 SOFTPLUS_THRESHOLD = 20.0
+XLA_INNER = ("associative", "sequential")
+
+
+class SelectiveScanState(NamedTuple):
+    """The recurrent state of a selective scan.
+
+    Attributes:
+      ssm: [Bt, d, n] float32, the scan state h (h_{T-1} after a window).
+    """
+
+    ssm: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectiveScanTuning:
+    """Tuning of `selective_scan` (speed and rounding only; see `jmamba.ops.tuning`).
+
+    Attributes:
+      xla_chunk_size: steps per chunk of the "xla" implementation (None: its backend default).
+      xla_inner: "associative" or "sequential" combination inside an "xla" chunk (None: backend default).
+      pallas_config: a `pallas_kernels.selective_scan.ScanBlockConfig` for the "pallas" kernels
+        (None: their default).
+    """
+
+    xla_chunk_size: Optional[int] = None
+    xla_inner: Optional[str] = None
+    pallas_config: Any = None
+
+    def __post_init__(self):
+        c = self.xla_chunk_size
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c <= 0):
+            raise ValueError(f"xla_chunk_size must be None or a positive int, got {c!r}")
+        if self.xla_inner is not None and self.xla_inner not in XLA_INNER:
+            raise ValueError(f"xla_inner must be None or one of {XLA_INNER}, got {self.xla_inner!r}")
 
 
 def softplus_thresholded(x):
@@ -32,13 +71,3 @@ def expand_groups(x, d):
     """[..., g, n] -> [..., d, n]: channel e reads group e // (d // g) (official grouping)."""
     g = x.shape[-2]
     return jnp.repeat(x, d // g, axis=-2)
-
-
-def reset_from_row_mask(reset, bsz, seqlen):
-    """Normalizes a `[Bt]` or `[Bt, T]` reset mask to `[Bt, T]` bool (a row mask resets at t=0)."""
-    if reset is None:
-        return None
-    reset = jnp.asarray(reset, bool)
-    if reset.ndim == 1:
-        return jnp.zeros((bsz, seqlen), bool).at[:, 0].set(reset)
-    return reset

@@ -13,14 +13,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jmamba.core.validation import shape_of
 from jmamba.ops.pallas_platform import interpret_mode, triton_platform_reason
-from jmamba.ops.validation import shape_of
 
 # The state of a program is an [n, block_d] float32 tile kept in registers; beyond this it spills.
 MAX_STATE_SIZE = 64
 
 
-def supported(*, platform, u, A, B, initial_state=None, reset=None, **_):
+def supported(*, platform, u, A, B, initial_state=None, reset=None, tuning=None, **_):
     """None when the Pallas kernel can run this call on `platform`, else the reason in words."""
     reason = triton_platform_reason(platform, "the Pallas selective-scan kernel")
     if reason:
@@ -36,18 +36,19 @@ def supported(*, platform, u, A, B, initial_state=None, reset=None, **_):
                 f"registers per program, which would spill")
     if n == 0:
         return "d_state n=0"
-    del B, initial_state, reset  # any grouping, initial state and reset mask are handled
+    del B, initial_state, reset, tuning  # any grouping, initial state, reset mask and config are handled
     return None
 
 
 def selective_scan_pallas(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, *, delta_softplus,
-                          config=None):
-    """The op's implementation signature (see reference.py); `config`: a ScanBlockConfig or None."""
+                          tuning=None):
+    """The op's implementation signature (see api.py); `tuning.pallas_config`: a ScanBlockConfig or None."""
     from pallas_kernels.selective_scan import selective_scan_pallas as kernel_scan
 
     interpret = interpret_mode()
     return kernel_scan(u, delta, A, B, C, D, z, delta_bias, initial_state, reset,
-                       delta_softplus=delta_softplus, config=config, interpret=interpret)
+                       delta_softplus=delta_softplus, config=tuning and tuning.pallas_config,
+                       interpret=interpret)
 
 
 def implementation():

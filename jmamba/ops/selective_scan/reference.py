@@ -10,11 +10,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jmamba.dtypes import accum_dtype
+from jmamba.core.dtypes import accum_dtype
 from jmamba.ops.selective_scan.common import expand_groups, prepare_delta
 
 
-def selective_scan_reference(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, *, delta_softplus):
+def selective_scan_reference(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, *, delta_softplus,
+                             tuning=None):
     """Sequential selective scan.
 
     Args:
@@ -22,10 +23,12 @@ def selective_scan_reference(u, delta, A, B, C, D, z, delta_bias, initial_state,
       z: [Bt, T, d] or None. initial_state: [Bt, d, n] or None. reset: [Bt, T] bool or None
       (True zeroes the state entering position t).
       delta_softplus: apply the thresholded softplus to `delta + delta_bias`.
+      tuning: accepted for the common signature and ignored.
 
     Returns:
       (y [Bt, T, d] in u.dtype, final_state [Bt, d, n] float32).
     """
+    del tuning
     bsz, _, d = u.shape
     n = A.shape[-1]
     f32 = accum_dtype(u.dtype, A.dtype)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jmamba.dtypes import accum_dtype
+from jmamba.core.dtypes import accum_dtype
 from jmamba.ops.selective_scan.common import prepare_delta
 # (inner, chunk_size) per backend, measured: CPU 2 cores, B=16 T=128 d=256 n=16 fwd+bwd: unrolled
 # chunk 4 = 53 ms, associative chunk 8/64 = 127/219 ms, plain lax.scan over t = 147 ms.
@@ -36,16 +36,15 @@ def _combine(left, right):
 
 
 def selective_scan_xla(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, *, delta_softplus,
-                       chunk_size=None, inner=None):
+                       tuning=None):
     """Chunked selective scan; same contract as `selective_scan_reference`.
 
-    Args (beyond the reference's):
-      chunk_size: steps per chunk (None: the backend default).
-      inner: "associative" or "sequential" combination inside a chunk (None: the backend default).
+    `tuning` (a `SelectiveScanTuning`) gives `xla_chunk_size` (steps per chunk) and `xla_inner`
+    ("associative" or "sequential" combination inside a chunk); None fields take the backend default.
     """
     default_inner, default_chunk = DEFAULTS.get(jax.default_backend(), GPU_DEFAULT)
-    inner = inner or default_inner
-    chunk_size = chunk_size or default_chunk
+    inner = (tuning and tuning.xla_inner) or default_inner
+    chunk_size = (tuning and tuning.xla_chunk_size) or default_chunk
     if inner not in ("associative", "sequential"):
         raise ValueError(f"inner must be 'associative' or 'sequential', got {inner!r}")
     bsz, seqlen, d = u.shape

@@ -1,0 +1,3 @@
+"""Names of the device-mesh axes jmamba shards over (shared by the ops, `jmamba.parallel` and training)."""
+
+DATA_AXIS = "data"   # batch rows are split over this axis (data parallel / FSDP)
