@@ -5,8 +5,9 @@
     y       = RMSNorm_f(h_L)                    float32 output [Bt, T, d_model]
 
 The mixer class is the only architecture-specific part; it must provide `__call__(x, state, *, reset)`,
-`step(x_t, state)` and `init_state(batch)`. The mixers see activations in the compute dtype
-(`compute_dtype`, default float32); norms, residual and the output stay float32.
+`step(x_t, state)` and `init_state(batch)`. The mixers see activations in the compute dtype of the
+`precision` ("f32" default, "bf16", "f16"; a `jmamba.Precision`); norms, residual and the output
+stay float32 (docs/numerics.md).
 
 State across windows: `__call__` starts from the given state and returns the state after the last
 token. With `truncate_bptt=True` (default, as mamba-rs) no gradient flows into the incoming state;
@@ -19,13 +20,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jmamba.dtypes import accum_dtype
+from jmamba.core.deprecation import reject_unknown, take_renamed
+from jmamba.core.dtypes import accum_dtype
+from jmamba.core.precision import as_precision
+from jmamba.core.validation import check_bool_mask, check_float, normalize_reset, shape_of
 from jmamba.layers.dense import Dense
 from jmamba.layers.rmsnorm import RMSNorm
-from jmamba.ops.selective_scan.common import reset_from_row_mask
-from jmamba.ops.validation import check_bool_mask, check_float, shape_of
 
 f32 = jnp.float32
+
+
+def take_compute_dtype(deprecated: dict, precision, where: str):
+    """`precision`, or the deprecated `compute_dtype=` keyword (a dtype) found in `deprecated`."""
+    precision = take_renamed(deprecated, "compute_dtype", "precision", precision, where=where, stacklevel=5)
+    reject_unknown(deprecated, where)
+    return precision
 
 
 class ResidualBlock(nnx.Module):
@@ -40,12 +49,15 @@ class ResidualBackbone(nnx.Module):
     """Input projection → n_layers pre-norm residual blocks → final RMSNorm."""
 
     mixer_cls = None  # set by subclasses
+    # no-weight-decay modes of input_proj.bias (architecture-specific: docs/mamba3_siso.md §2.4)
+    input_bias_no_decay: tuple = ()
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         cfg.validate()
         self.config = cfg
         self.input_proj = (None if cfg.input_dim is None else
-                           Dense(cfg.input_dim, cfg.d_model, use_bias=True, rngs=rngs))
+                           Dense(cfg.input_dim, cfg.d_model, use_bias=True,
+                                 bias_no_decay=self.input_bias_no_decay, rngs=rngs))
         self.layers = nnx.List([ResidualBlock(cfg, self.mixer_cls, rngs=rngs) for _ in range(cfg.n_layers)])
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
 
@@ -88,19 +100,22 @@ class ResidualBackbone(nnx.Module):
         acc = accum_dtype(x.dtype)   # the residual stream: float32 (float64 for x64 checks)
         return x.astype(acc) if self.input_proj is None else self.input_proj(x.astype(acc))
 
-    def __call__(self, x, state=None, *, reset=None, compute_dtype=None, truncate_bptt: bool = True):
+    def __call__(self, x, state=None, *, reset=None, precision=None, truncate_bptt: bool = True,
+                 **deprecated):
         """Runs a window of T steps.
 
         Args:
           x: [Bt, T, input_dim] float.
           state: recurrent state from `init_state` / a previous call (None = zeros).
           reset: optional [Bt] or [Bt, T] bool mask zeroing the state entering a row (at a position).
-          compute_dtype: dtype of the mixers' matmuls and activations (default float32).
+          precision: compute precision of the mixers' matmuls and activations: "f32" (default),
+            "bf16", "f16", a `jmamba.Precision` or a dtype. (`compute_dtype=` is its deprecated name.)
           truncate_bptt: stop gradients into the incoming state (default True).
 
         Returns:
           (y [Bt, T, d_model] float32, new_state).
         """
+        cdt = as_precision(take_compute_dtype(deprecated, precision, f"{type(self).__name__}.__call__")).compute_dtype
         self._check_input(x, 3)
         bsz, seqlen = shape_of(x)[:2]
         if state is None:
@@ -109,10 +124,7 @@ class ResidualBackbone(nnx.Module):
             self.check_state(state, bsz)
             if truncate_bptt:
                 state = jax.lax.stop_gradient(state)
-        if reset is not None:
-            check_bool_mask("reset", reset, [(bsz,), (bsz, seqlen)], "[batch] or [batch, seqlen]")
-            reset = reset_from_row_mask(reset, bsz, seqlen)
-        cdt = jnp.dtype(compute_dtype or f32)
+        reset = normalize_reset(reset, bsz, seqlen)
         h = self._embed(x)
         new_state = []
         for layer, s in zip(self.layers, state):
@@ -121,18 +133,19 @@ class ResidualBackbone(nnx.Module):
             new_state.append(s)
         return self.norm_f(h, h.dtype), tuple(new_state)
 
-    def step(self, x_t, state, *, reset=None, compute_dtype=None):
+    def step(self, x_t, state, *, reset=None, precision=None, **deprecated):
         """Single-token decode: x_t [Bt, input_dim] -> (y_t [Bt, d_model] float32, new_state).
 
-        `reset` is an optional [Bt] bool mask zeroing the state of a row before this token.
+        `reset` is an optional [Bt] bool mask zeroing the state of a row before this token;
+        `precision` as in `__call__`.
         """
+        cdt = as_precision(take_compute_dtype(deprecated, precision, f"{type(self).__name__}.step")).compute_dtype
         self._check_input(x_t, 2)
         bsz = shape_of(x_t)[0]
         self.check_state(state, bsz)
         if reset is not None:
             check_bool_mask("reset", reset, [(bsz,)], "[batch]")
             state = jax.tree.map(lambda a: jnp.where(reset.reshape((bsz,) + (1,) * (a.ndim - 1)), 0, a), state)
-        cdt = jnp.dtype(compute_dtype or f32)
         h = self._embed(x_t)
         new_state = []
         for layer, s in zip(self.layers, state):

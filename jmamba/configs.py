@@ -5,31 +5,45 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from jmamba.architectures import architecture_names, get_architecture
 from jmamba.lm import MambaLMConfig
-from jmamba.mamba1.config import Mamba1Config
-from jmamba.mamba3.config import Mamba3Config
-
-CONFIG_CLASSES = {"mamba1": Mamba1Config, "mamba3": Mamba3Config}
 
 
 def config_to_dict(cfg) -> dict:
-    """A JSON-able dict with an `arch` tag ("mamba1", "mamba3" or "lm")."""
+    """A JSON-able dict with an `arch` tag ("mamba1", "mamba3" or "lm"); deprecated fields are left out."""
     if isinstance(cfg, MambaLMConfig):
         return {"arch": "lm", "backbone": config_to_dict(cfg.backbone), "vocab_size": cfg.vocab_size,
                 "tie_embeddings": cfg.tie_embeddings}
-    if type(cfg) not in CONFIG_CLASSES.values():
-        raise TypeError(f"cfg must be a backbone config or MambaLMConfig, got {type(cfg).__name__}")
-    return {"arch": cfg.arch, **dataclasses.asdict(cfg)}
+    try:
+        get_architecture(cfg)
+    except TypeError:
+        raise TypeError(f"cfg must be a backbone config or MambaLMConfig, got {type(cfg).__name__}") from None
+    skip = set(getattr(cfg, "deprecated_fields", ()))
+    return {"arch": cfg.arch, **{k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}}
+
+
+def normalize_config_dict(d: dict) -> dict:
+    """A stored config dict without the fields that are no longer part of a config (e.g. the Mamba-3
+    `chunk_size` of checkpoints written before it became a tuning knob), so old checkpoints restore
+    and compare equal to a config built today."""
+    d = dict(d)
+    if d.get("arch") == "lm" and isinstance(d.get("backbone"), dict):
+        d["backbone"] = normalize_config_dict(d["backbone"])
+    elif d.get("arch") in architecture_names():
+        cls = get_architecture(d["arch"]).config_cls
+        for name in getattr(cls, "deprecated_fields", ()):
+            d.pop(name, None)
+    return d
 
 
 def config_from_dict(d: dict):
-    d = dict(d)
+    d = normalize_config_dict(d)
     arch = d.pop("arch", None)
     if arch == "lm":
         return MambaLMConfig(config_from_dict(d["backbone"]), d["vocab_size"], d["tie_embeddings"]).validate()
-    if arch not in CONFIG_CLASSES:
-        raise ValueError(f"unknown config arch {arch!r}; expected one of {sorted(CONFIG_CLASSES) + ['lm']}")
-    cls = CONFIG_CLASSES[arch]
+    if arch not in architecture_names():
+        raise ValueError(f"unknown config arch {arch!r}; expected one of {sorted(architecture_names()) + ['lm']}")
+    cls = get_architecture(arch).config_cls
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - names)
     if unknown:

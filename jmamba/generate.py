@@ -12,12 +12,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jmamba.ops.validation import shape_of
+from jmamba.backbone import take_compute_dtype
+from jmamba.core.precision import as_precision
+from jmamba.core.validation import shape_of
 from jmamba.sampling import check_sampling_args, sample_next
 
 
 def generate(lm, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k=None, top_p=None,
-             rng=None, compute_dtype=None):
+             rng=None, precision=None, **deprecated):
     """Continues each prompt row.
 
     Args:
@@ -27,10 +29,13 @@ def generate(lm, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, t
       temperature: 0 = greedy; > 0 samples.
       top_k, top_p: optional filters for sampling.
       rng: a `jax.random` key (required when temperature > 0).
+      precision: compute precision of the model ("f32" default, "bf16", "f16"; `compute_dtype=` is
+        its deprecated name).
 
     Returns:
       [B, P + max_new_tokens] int32: the prompt followed by the new tokens.
     """
+    precision = as_precision(take_compute_dtype(deprecated, precision, "generate"))
     s = shape_of(prompt_ids)
     if len(s) != 2 or s[1] < 1 or not jnp.issubdtype(jnp.result_type(prompt_ids), jnp.integer):
         raise ValueError(f"prompt_ids must be an integer array [batch, prompt_len >= 1], got shape {s}")
@@ -48,21 +53,21 @@ def generate(lm, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, t
     rng = jax.random.PRNGKey(0) if rng is None else rng
     graphdef, params = nnx.split(lm)
     new = _decode(graphdef, params, prompt_ids, rng, max_new_tokens, float(temperature), top_k,
-                  None if top_p is None else float(top_p), None if compute_dtype is None else jnp.dtype(compute_dtype).name)
+                  None if top_p is None else float(top_p), precision)
     return jnp.concatenate([prompt_ids, new], axis=1)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
-def _decode(graphdef, params, prompt_ids, rng, max_new_tokens, temperature, top_k, top_p, compute_dtype):
+def _decode(graphdef, params, prompt_ids, rng, max_new_tokens, temperature, top_k, top_p, precision):
     lm = nnx.merge(graphdef, params)
-    logits, state = lm(prompt_ids, compute_dtype=compute_dtype)
+    logits, state = lm(prompt_ids, precision=precision)
     sample = functools.partial(sample_next, temperature=temperature, top_k=top_k, top_p=top_p)
     keys = jax.random.split(rng, max_new_tokens)
     first = sample(logits[:, -1], keys[0])
 
     def body(carry, key):
         tok, st = carry
-        step_logits, st = lm.step(tok, st, compute_dtype=compute_dtype)
+        step_logits, st = lm.step(tok, st, precision=precision)
         nxt = sample(step_logits, key)
         return (nxt, st), tok
 

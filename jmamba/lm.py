@@ -14,18 +14,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jmamba.dtypes import accum_dtype
+from jmamba.architectures import get_architecture
+from jmamba.backbone import take_compute_dtype
+from jmamba.core.dtypes import accum_dtype
+from jmamba.core.precision import as_precision
+from jmamba.core.validation import shape_of
 from jmamba.layers.dense import Dense
-from jmamba.mamba1.backbone import Mamba1Backbone
-from jmamba.mamba1.config import Mamba1Config
-from jmamba.mamba3.backbone import Mamba3Backbone
-from jmamba.mamba3.config import Mamba3Config
-from jmamba.ops.validation import shape_of
 
 f32 = jnp.float32
-
-# Backbone class for each config class; other architectures register here.
-BACKBONES: dict[type, type] = {Mamba1Config: Mamba1Backbone, Mamba3Config: Mamba3Backbone}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +35,7 @@ class MambaLMConfig:
     arch = "lm"
 
     def validate(self) -> "MambaLMConfig":
-        if type(self.backbone) not in BACKBONES:
-            raise TypeError(f"backbone config must be one of {[c.__name__ for c in BACKBONES]}, "
-                            f"got {type(self.backbone).__name__}")
+        get_architecture(self.backbone)   # TypeError for anything but a registered backbone config
         self.backbone.validate()
         if self.backbone.input_dim is not None:
             raise ValueError(f"backbone_cfg.input_dim must be None for an LM (the embedding feeds the "
@@ -64,7 +58,7 @@ class MambaLM(nnx.Module):
         self.config = MambaLMConfig(backbone_cfg, vocab_size, tie_embeddings).validate()
         D = backbone_cfg.d_model
         self.embedding = nnx.Param(initializer_range * jax.random.normal(rngs.params(), (vocab_size, D), f32))
-        self.backbone = BACKBONES[type(backbone_cfg)](backbone_cfg, rngs=rngs)
+        self.backbone = get_architecture(backbone_cfg).backbone_cls(backbone_cfg, rngs=rngs)
         self.lm_head = None if tie_embeddings else Dense(D, vocab_size, rngs=rngs)
 
     def init_state(self, batch: int):
@@ -85,18 +79,22 @@ class MambaLM(nnx.Module):
             logits = self.lm_head(y.astype(cdt))
         return logits.astype(accum_dtype(logits.dtype))
 
-    def __call__(self, input_ids, state=None, *, reset=None, compute_dtype=None, truncate_bptt=True):
-        """input_ids [B, T] int -> (logits [B, T, V] float32, new_state)."""
-        self._check_ids(input_ids, 2)
-        cdt = jnp.dtype(compute_dtype or f32)
-        h = jnp.take(self.embedding[...], input_ids, axis=0)
-        y, state = self.backbone(h, state, reset=reset, compute_dtype=cdt, truncate_bptt=truncate_bptt)
-        return self._logits(y, cdt), state
+    def __call__(self, input_ids, state=None, *, reset=None, precision=None, truncate_bptt=True, **deprecated):
+        """input_ids [B, T] int -> (logits [B, T, V] float32, new_state).
 
-    def step(self, token_ids, state, *, compute_dtype=None):
+        `precision` ("f32", "bf16", "f16" or a `jmamba.Precision`; the old `compute_dtype=` still
+        works) is the compute precision of the matmuls; see `ResidualBackbone.__call__`.
+        """
+        self._check_ids(input_ids, 2)
+        p = as_precision(take_compute_dtype(deprecated, precision, "MambaLM.__call__"))
+        h = jnp.take(self.embedding[...], input_ids, axis=0)
+        y, state = self.backbone(h, state, reset=reset, precision=p, truncate_bptt=truncate_bptt)
+        return self._logits(y, p.compute_dtype), state
+
+    def step(self, token_ids, state, *, precision=None, **deprecated):
         """token_ids [B] int -> (logits [B, V] float32, new_state)."""
         self._check_ids(token_ids, 1)
-        cdt = jnp.dtype(compute_dtype or f32)
+        p = as_precision(take_compute_dtype(deprecated, precision, "MambaLM.step"))
         h = jnp.take(self.embedding[...], token_ids, axis=0)
-        y, state = self.backbone.step(h, state, compute_dtype=cdt)
-        return self._logits(y, cdt), state
+        y, state = self.backbone.step(h, state, precision=p)
+        return self._logits(y, p.compute_dtype), state

@@ -1,4 +1,4 @@
-"""transformers `MambaForCausalLM` checkpoints <-> `jmamba.MambaLM` (spec/mamba1.md §6).
+"""transformers `MambaForCausalLM` checkpoints <-> `jmamba.MambaLM` (docs/mamba1.md §6).
 
 Reads a directory with `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`): HF-native config keys (`hidden_size`, `num_hidden_layers`, ...) or the

@@ -1,4 +1,4 @@
-"""mamba-rs native safetensors files <-> jmamba backbone parameters (spec/mamba1.md §6.5).
+"""mamba-rs native safetensors files <-> jmamba backbone parameters (docs/mamba1.md §6.5).
 
 mamba-rs (`serialize.rs`) stores float32 tensors with its own key names and row-major `[in, out]`
 linear layouts (the same as jmamba's kernels), and the config as JSON in the metadata entry `config`:
@@ -20,7 +20,7 @@ linear layouts (the same as jmamba's kernels), and the config as JSON in the met
 mamba-rs always has an input projection and always uses dt_rank = ceil(d_model / 16); writing a
 backbone without `input_dim` or with another dt_rank is refused.
 
-Mamba-3 SISO files (spec/mamba3_siso.md §2.1, §2.5, §5 rows 7-8; metadata `config` with
+Mamba-3 SISO files (docs/mamba3_siso.md §2.1, §2.5, §5 rows 7-8; metadata `config` with
 `mamba_version: 3`, `d_model, d_state, expand, headdim, ngroups, n_layers, input_dim, rope_fraction,
 a_floor`):
 

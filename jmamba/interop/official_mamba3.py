@@ -2,7 +2,7 @@
 
 A checkpoint directory holds `model.safetensors` (the module's `state_dict`: official names,
 torch layouts, any float dtype) and `config.json` (the module's constructor kwargs). The mapping
-(spec/mamba3_siso.md §2.1, §2.5):
+(docs/mamba3_siso.md §2.1, §2.5):
 
     official key       official shape      jmamba nnx path      jmamba shape
     in_proj.weight     (in_proj_dim, Dm)   in_proj.kernel       [Dm, in_proj_dim]   (transposed)
@@ -14,15 +14,15 @@ torch layouts, any float dtype) and `config.json` (the module's constructor kwar
     norm.weight        (Di)                norm.weight          [Di]                (is_outproj_norm only)
     out_proj.weight    (Dm, Di)            out_proj.kernel      [Di, Dm]            (transposed)
 
-Weights are converted to float32 masters. The mixer computes the official forward math (spec
-§3.2, rows 11-15 of §5 are shared with mamba-rs). Where the official module and mamba-rs differ
+Weights are converted to float32 masters. The mixer computes the official forward math
+(docs/mamba3_siso.md §3.2; rows 11-15 of §5 are shared with mamba-rs). Where the official module and mamba-rs differ
 (§5), this follows the official module and says so:
   * names/layouts (#7, #8): official only; a `norm.weight` is required exactly when
     is_outproj_norm (mamba-rs always stores `norm_gate.weight`). `strict=False` tolerates extra keys.
   * numerics (#16): the official Triton kernels round Q/K/V/Z, the accumulated angle and the
     output to bf16 even in an fp32 module; jmamba keeps all of these in the compute dtype / f32
-    (the spec's recommendation), so outputs agree with the official module to ≈3.5e-3 relative
-    (spec §6.3), not bit-for-bit.
+    (docs/mamba3_siso.md §8), so outputs agree with the official module to ≈3.5e-3 relative
+    (docs/mamba3_siso.md §6.3), not bit-for-bit.
   * decode (#19): the official module step does not wrap θ mod 2π; jmamba wraps (same math).
   * cross-window state (#17): `Mamba3Mixer.__call__` takes and returns the four states with
     full gradients (the official kernel's semantics); the backbone truncates by default.

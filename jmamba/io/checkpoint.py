@@ -11,7 +11,12 @@ complete, so a save killed half-way leaves the previous checkpoints loadable (te
 process mid-save). Saving is synchronous (returns once the checkpoint is final).
 
 Restoring checks before anything is read into the target: the config (when the caller passes one) and
-every key path, shape and dtype of `like`; a mismatch raises naming the field or path.
+every key path, shape and dtype of `like`; a mismatch raises naming the field or path. Checkpoints of
+an older layout restore too: a config field that is no longer part of the config (the Mamba-3
+`chunk_size`, now a tuning knob) is ignored, and a state field added since (e.g. `TrainState.updates`)
+is filled from the leaf its class names in `checkpoint_upgrades`.
+
+This module works on any flax dataclass pytree with a `step`; it does not import the training layer.
 """
 
 from __future__ import annotations
@@ -26,13 +31,17 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jmamba.configs import config_from_dict, config_to_dict
-from jmamba.training.train_state import TrainState
+from jmamba.configs import config_from_dict, config_to_dict, normalize_config_dict
 
 FORMAT_VERSION = 1
 
 
-def _flatten(state: TrainState) -> dict[str, Any]:
+def _check_state(state, name):
+    if not (hasattr(state, "step") and hasattr(state, "replace") and jax.tree.leaves(state)):
+        raise TypeError(f"{name} must be a jmamba.TrainState, got {type(state).__name__}")
+
+
+def _flatten(state) -> dict[str, Any]:
     return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(state)}
 
 
@@ -67,7 +76,7 @@ def _from_jsonable(x):
     return x
 
 
-def save_checkpoint(directory, state: TrainState, *, config=None, extras: Optional[dict] = None,
+def save_checkpoint(directory, state, *, config=None, extras: Optional[dict] = None,
                     keep: Optional[int] = 3) -> str:
     """Saves `state` as checkpoint number `state.step` under `directory`.
 
@@ -82,11 +91,10 @@ def save_checkpoint(directory, state: TrainState, *, config=None, extras: Option
     Returns:
       the path of the written checkpoint.
     """
-    if not isinstance(state, TrainState):
-        raise TypeError(f"state must be a jmamba.TrainState, got {type(state).__name__}")
-    if state.pending_forward is not None:
+    _check_state(state, "state")
+    if getattr(state, "pending_forward", None) is not None:
         raise RuntimeError("cannot checkpoint while a split-API forward is pending: run backward_step first")
-    if state.accumulating:
+    if getattr(state, "accumulating", False):
         raise RuntimeError("cannot checkpoint inside an open gradient-accumulation window")
     flat = _flatten(state)
     meta = {
@@ -151,11 +159,11 @@ def checkpoint_info(directory, step: Optional[int] = None) -> dict:
     """{"step", "config" (object or None), "extras"} of a checkpoint (the newest by default)."""
     with _open_checkpoint(directory, step) as (_, step, meta):
         pass
-    cfg = None if meta.get("config") is None else config_from_dict(meta["config"])
+    cfg = None if meta.get("config") is None else config_from_dict(meta["config"])   # old fields dropped
     return {"step": step, "config": cfg, "extras": _from_jsonable(meta.get("extras", {}))}
 
 
-def restore_checkpoint(directory, like: TrainState, *, step: Optional[int] = None, config=None) -> TrainState:
+def restore_checkpoint(directory, like, *, step: Optional[int] = None, config=None):
     """Restores a checkpoint into the structure of `like`.
 
     Args:
@@ -168,18 +176,21 @@ def restore_checkpoint(directory, like: TrainState, *, step: Optional[int] = Non
     Returns:
       the restored TrainState (same static fields as `like`).
     """
-    if not isinstance(like, TrainState):
-        raise TypeError(f"like must be a jmamba.TrainState, got {type(like).__name__}")
+    _check_state(like, "like")
     with _open_checkpoint(directory, step) as (mngr, step, meta):
         if meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"checkpoint format {meta.get('format_version')!r} is not {FORMAT_VERSION}")
         _check_config(meta.get("config"), config)
         flat_like = _flatten(like)
-        _check_leaves(meta["leaves"], flat_like)
+        upgrades = {k: src for k, src in getattr(type(like), "checkpoint_upgrades", {}).items()
+                    if k in flat_like and k not in meta["leaves"] and src in meta["leaves"]}
+        _check_leaves(meta["leaves"], {k: v for k, v in flat_like.items() if k not in upgrades})
         # restore straight into `like`'s placement (a sharded `like` gives a sharded state)
         target = {k: jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v), sharding=getattr(v, "sharding", None))
-                  for k, v in flat_like.items()}
+                  for k, v in flat_like.items() if k not in upgrades}
         flat = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+    for k, src in upgrades.items():   # a field the checkpoint predates: copied from its source leaf
+        flat[k] = jnp.asarray(flat[src]).astype(jnp.result_type(flat_like[k]))
     leaves = [jnp.asarray(flat[k]) for k in flat_like]
     return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
@@ -190,6 +201,7 @@ def _check_config(saved, given):
     want = config_to_dict(given)
     if saved is None:
         raise ValueError("the checkpoint has no config to compare with `config`")
+    saved = normalize_config_dict(saved)
     if saved != want:
         diffs = _dict_diff(saved, want)
         raise ValueError(f"checkpoint config differs from `config`: {diffs}")

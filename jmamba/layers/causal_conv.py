@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from jmamba.dtypes import accum_dtype
+from jmamba.core.dtypes import accum_dtype
 from jmamba.layers.initializers import torch_linear_uniform
 
 

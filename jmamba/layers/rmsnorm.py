@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jmamba.dtypes import accum_dtype
+from jmamba.core.dtypes import accum_dtype
+from jmamba.core.tags import REFERENCE
+from jmamba.layers.tags import param
 
 
 def rms_norm(x, weight, eps, out_dtype=None):
@@ -26,10 +28,14 @@ def rms_norm(x, weight, eps, out_dtype=None):
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm with a learned scale `weight [D]` (ones at init, float32)."""
+    """RMSNorm with a learned scale `weight [D]` (ones at init, float32).
+
+    The scale is in the "reference" no-weight-decay group of both architectures (every norm scale;
+    docs/mamba1.md §2.3, docs/mamba3_siso.md §2.4), tagged as NNX metadata.
+    """
 
     def __init__(self, dim: int, eps: float):
-        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.weight = param(jnp.ones((dim,), jnp.float32), no_decay=(REFERENCE,))
         self.eps = eps
 
     def __call__(self, x, out_dtype=None):

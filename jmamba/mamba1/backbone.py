@@ -7,7 +7,7 @@ from jmamba.mamba1.mixer import Mamba1Mixer
 
 
 class Mamba1Backbone(ResidualBackbone):
-    """Mamba-1 backbone (spec/mamba1.md §3.2). See `ResidualBackbone` for the call contract.
+    """Mamba-1 backbone (docs/mamba1.md §3.2). See `ResidualBackbone` for the call contract.
 
     Parameters (nnx paths): `input_proj.{kernel,bias}` (when input_dim is set),
     `layers[i].norm.weight`, `layers[i].mixer.{in_proj.kernel, conv1d.kernel, conv1d.bias,

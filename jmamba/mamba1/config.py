@@ -1,6 +1,6 @@
 """`Mamba1Config`: sizes and init rules of a Mamba-1 backbone (defaults = the official `Mamba`).
 
-Derived sizes (spec/mamba1.md §1.2): d_inner E = expand·d_model, dt_rank R = ceil(d_model/16)
+Derived sizes (docs/mamba1.md §1.2): d_inner E = expand·d_model, dt_rank R = ceil(d_model/16)
 when "auto", x_proj width R + 2N (order dt, B, C), in_proj width 2E (order x, z).
 """
 

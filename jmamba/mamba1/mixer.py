@@ -1,4 +1,4 @@
-"""`Mamba1Mixer`: one Mamba-1 (S6) mixer layer, no residual and no norm (spec/mamba1.md §3.3).
+"""`Mamba1Mixer`: one Mamba-1 (S6) mixer layer, no residual and no norm (docs/mamba1.md §3.3).
 
     xz = x_in · W_in                    [Bt, T, 2E] -> x, z
     c  = causal_conv(S_conv ++ x)       [Bt, T, E]
@@ -20,12 +20,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmamba import ops
-from jmamba.dtypes import accum_dtype
+from jmamba.core.dtypes import accum_dtype
+from jmamba.core.tags import OFFICIAL, REFERENCE
 from jmamba.layers.causal_conv import CausalConv1d
 from jmamba.layers.dense import Dense
 from jmamba.layers.initializers import inverse_softplus_dt_bias, uniform
+from jmamba.layers.tags import param
 from jmamba.mamba1.config import Mamba1Config
-from jmamba.ops.selective_scan.common import softplus_thresholded
 
 f32 = jnp.float32
 
@@ -43,7 +44,11 @@ class Mamba1LayerState(NamedTuple):
 
 
 class Mamba1Mixer(nnx.Module):
-    """One Mamba-1 mixer with the official init (spec/mamba1.md §2.2)."""
+    """One Mamba-1 mixer with the official init (docs/mamba1.md §2.2).
+
+    No-weight-decay tags (docs/mamba1.md §2.3): A_log and D in both groups, dt_proj.bias in the
+    "reference" group.
+    """
 
     def __init__(self, cfg: Mamba1Config, *, rngs: nnx.Rngs):
         cfg.validate()
@@ -56,10 +61,12 @@ class Mamba1Mixer(nnx.Module):
         s = R ** -0.5 * cfg.dt_scale
         w = uniform(rngs.params(), (R, E), s) if cfg.dt_init == "random" else jnp.full((R, E), s, f32)
         self.dt_proj.kernel = nnx.Param(w)
-        self.dt_proj.bias = nnx.Param(
-            inverse_softplus_dt_bias(rngs.params(), (E,), cfg.dt_min, cfg.dt_max, cfg.dt_init_floor))
-        self.A_log = nnx.Param(jnp.log(jnp.broadcast_to(jnp.arange(1, N + 1, dtype=f32), (E, N))))
-        self.D = nnx.Param(jnp.ones((E,), f32))
+        self.dt_proj.bias = param(
+            inverse_softplus_dt_bias(rngs.params(), (E,), cfg.dt_min, cfg.dt_max, cfg.dt_init_floor),
+            no_decay=(REFERENCE,))
+        self.A_log = param(jnp.log(jnp.broadcast_to(jnp.arange(1, N + 1, dtype=f32), (E, N))),
+                           no_decay=(REFERENCE, OFFICIAL))
+        self.D = param(jnp.ones((E,), f32), no_decay=(REFERENCE, OFFICIAL))
         scale = cfg.n_layers ** -0.5 if cfg.rescale_out_proj else 1.0
         self.out_proj = Dense(E, D, init_scale=scale, rngs=rngs)
 
@@ -93,26 +100,25 @@ class Mamba1Mixer(nnx.Module):
         u = jax.nn.silu(c).astype(x.dtype)
         dt_in, Bm, Cm = self._split_x_dbl(u)
         delta = jnp.dot(dt_in, self.dt_proj.kernel[...].astype(x.dtype))
-        A = -jnp.exp(self.A_log[...].astype(accum_dtype(self.A_log.dtype)))
         y, ssm_state = ops.selective_scan(
-            u, delta, A, Bm, Cm, D=self.D[...], z=z, delta_bias=self.dt_proj.bias[...],
-            delta_softplus=True, initial_state=state.ssm, return_final_state=True, reset=reset)
-        return self.out_proj(y), Mamba1LayerState(conv=conv_state, ssm=ssm_state)
+            u, delta, self._A(), Bm, Cm, self.D[...], z, self.dt_proj.bias[...], delta_softplus=True,
+            initial_state=ops.SelectiveScanState(state.ssm), return_final_state=True, reset=reset)
+        return self.out_proj(y), Mamba1LayerState(conv=conv_state, ssm=ssm_state.ssm)
+
+    def _A(self):
+        """A = −exp(A_log) [E, N] in float32 (float64 for float64 masters)."""
+        return -jnp.exp(self.A_log[...].astype(accum_dtype(self.A_log.dtype)))
 
     def step(self, x_t, state: Mamba1LayerState):
-        """Single-token decode (spec §4.2). x_t: [Bt, D] -> (out [Bt, D], new state)."""
+        """Single-token decode (docs/mamba1.md §4.2). x_t: [Bt, D] -> (out [Bt, D], new state)."""
         E = self.config.d_inner
-        f32 = accum_dtype(x_t.dtype, self.A_log.dtype)
         xz = self.in_proj(x_t)
         xs, z = xz[..., :E], xz[..., E:]
         c, conv_state = self.conv1d.step(xs, state.conv)
         u = jax.nn.silu(c).astype(x_t.dtype)
         dt_in, Bm, Cm = self._split_x_dbl(u)
-        delta_raw = jnp.dot(dt_in, self.dt_proj.kernel[...].astype(x_t.dtype)).astype(f32) + self.dt_proj.bias[...].astype(f32)
-        delta = softplus_thresholded(delta_raw)                                   # [Bt, E]
-        A = -jnp.exp(self.A_log[...].astype(f32))
-        uf = u.astype(f32)
-        h = jnp.exp(delta[:, :, None] * A) * state.ssm + (delta * uf)[:, :, None] * Bm.astype(f32)[:, None, :]
-        y = jnp.sum(h * Cm.astype(f32)[:, None, :], axis=-1) + self.D[...].astype(f32) * uf
-        y = (y * jax.nn.silu(z.astype(f32))).astype(x_t.dtype)
-        return self.out_proj(y), Mamba1LayerState(conv=conv_state, ssm=h)
+        delta = jnp.dot(dt_in, self.dt_proj.kernel[...].astype(x_t.dtype))
+        y, ssm_state = ops.selective_scan_step(
+            u, delta, self._A(), Bm, Cm, self.D[...], z, self.dt_proj.bias[...], delta_softplus=True,
+            initial_state=ops.SelectiveScanState(state.ssm))
+        return self.out_proj(y), Mamba1LayerState(conv=conv_state, ssm=ssm_state.ssm)

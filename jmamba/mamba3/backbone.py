@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from jmamba.backbone import ResidualBackbone
+from jmamba.core.tags import REFERENCE
 from jmamba.mamba3.mixer import Mamba3Mixer
 
 
 class Mamba3Backbone(ResidualBackbone):
-    """Mamba-3 SISO backbone (spec/mamba3_siso.md §3.1). See `ResidualBackbone` for the call contract.
+    """Mamba-3 SISO backbone (docs/mamba3_siso.md §3.1). See `ResidualBackbone` for the call contract.
 
     Parameters (nnx paths): `input_proj.{kernel,bias}` (when input_dim is set),
     `layers[i].norm.weight`, `layers[i].mixer.{in_proj.kernel, dt_bias, B_bias, C_bias,
@@ -16,3 +17,4 @@ class Mamba3Backbone(ResidualBackbone):
     """
 
     mixer_cls = Mamba3Mixer
+    input_bias_no_decay = (REFERENCE,)   # every Mamba-3 bias is in the "reference" no-decay group

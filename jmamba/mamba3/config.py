@@ -1,6 +1,6 @@
 """`Mamba3Config`: sizes and init rules of a Mamba-3 SISO backbone (defaults = the official `Mamba3`).
 
-Derived sizes (spec/mamba3_siso.md §1): d_inner Di = expand·d_model, nheads H = Di / headdim,
+Derived sizes (docs/mamba3_siso.md §1): d_inner Di = expand·d_model, nheads H = Di / headdim,
 num_rope_angles S = ⌊⌊d_state·rope_fraction⌋_even / 2⌋ (official: split = int(N·rf), minus 1 if
 odd, then // 2), in_proj width 2·Di + 2·G·N + 3·H + S in the order [z, x, B, C, dd_dt, dd_A, trap,
 angles].
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Optional
 
 
@@ -18,7 +19,7 @@ class Mamba3Config:
     """Mamba-3 SISO backbone configuration.
 
     Attributes:
-      d_model: residual width Dm (the official module has no default; 768 is the spec's example).
+      d_model: residual width Dm (the official module has no default; 768 is the 130m-class example).
       n_layers: number of residual blocks (official `MambaConfig.n_layer` = 64).
       d_state: N, the key/query size (official "headdim_qk"); even.
       expand: Di = expand · d_model.
@@ -32,8 +33,11 @@ class Mamba3Config:
       A_floor: A = min(−φ(dd_A), −A_floor), so every head decays at least this fast (>= 0).
       is_outproj_norm: gated RMSNorm (group = headdim, norm before gate) before out_proj; otherwise
         the output is y·silu(z).
-      chunk_size: chunk length of the chunked scan implementations (a speed knob, not semantics).
       rescale_out_proj: divide out_proj's init by √n_layers (official `rescale_prenorm_residual`).
+      chunk_size: DEPRECATED. The scan's chunk length is a tuning knob of the op
+        (`jmamba.ops.tuning("mamba3_siso_scan", chunk_size=...)`), not model config. When given it
+        still sets the chunk length of this model's scans (with a DeprecationWarning); it is not
+        stored with the config and does not take part in config comparisons.
     """
 
     d_model: int = 768
@@ -50,10 +54,18 @@ class Mamba3Config:
     dt_init_floor: float = 1e-4
     A_floor: float = 1e-4
     is_outproj_norm: bool = False
-    chunk_size: int = 64
     rescale_out_proj: bool = True
+    chunk_size: Optional[int] = dataclasses.field(default=None, compare=False, repr=False)
 
     arch = "mamba3"
+    # fields kept only so old code and old checkpoints load; never serialised
+    deprecated_fields = ("chunk_size",)
+
+    def __post_init__(self):
+        if self.chunk_size is not None:
+            warnings.warn("Mamba3Config(chunk_size=...) is deprecated: the chunk length is a tuning knob of the "
+                          "scan op; use jmamba.ops.tuning('mamba3_siso_scan', chunk_size=...)",
+                          DeprecationWarning, stacklevel=3)
 
     @property
     def d_inner(self) -> int:
@@ -80,8 +92,10 @@ class Mamba3Config:
 
     def validate(self) -> "Mamba3Config":
         """Raises ValueError naming the first invalid field; returns self."""
-        for name in ("d_model", "n_layers", "d_state", "expand", "headdim", "ngroups", "chunk_size"):
+        for name in ("d_model", "n_layers", "d_state", "expand", "headdim", "ngroups"):
             _positive_int(name, getattr(self, name))
+        if self.chunk_size is not None:
+            _positive_int("chunk_size", self.chunk_size)
         if self.input_dim is not None:
             _positive_int("input_dim", self.input_dim)
         if self.d_state % 2:

@@ -1,4 +1,4 @@
-"""`Mamba3Mixer`: one Mamba-3 SISO mixer layer, no residual and no norm (spec/mamba3_siso.md §3.2).
+"""`Mamba3Mixer`: one Mamba-3 SISO mixer layer, no residual and no norm (docs/mamba3_siso.md §3.2).
 
     proj = x · W_in                                   [Bt, T, 2Di + 2GN + 3H + S]
     z, xv, B, C, dd_dt, dd_A, trap, angles = split(proj)          (this order)
@@ -15,46 +15,32 @@ scan computes its state, rotation and accumulation in float32; the norms' statis
 Parameters are float32 masters. The recurrent state (`Mamba3LayerState`) is float32. Float64
 inputs and parameters stay float64 throughout (for finite-difference checks).
 
-Boundary detail (spec §5 #20): at dd_A == 0 exactly, torch autograd of the official φ gives φ' = 2;
+Boundary detail (docs/mamba3_siso.md §5): at dd_A == 0 exactly, torch autograd of the official φ gives φ' = 2;
 here jnp.maximum/minimum split the tie, giving φ' = 1 (as mamba-rs). This is measure-zero.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jmamba import ops
-from jmamba.dtypes import accum_dtype
+from jmamba.core.dtypes import accum_dtype
+from jmamba.core.tags import OFFICIAL, REFERENCE
+from jmamba.core.validation import check_float, shape_of
 from jmamba.layers.dense import Dense
 from jmamba.layers.initializers import inverse_softplus_dt_bias
 from jmamba.layers.rmsnorm import RMSNorm, rms_norm
+from jmamba.layers.tags import param
 from jmamba.mamba3.config import Mamba3Config
-from jmamba.ops.mamba3_siso_scan.api import check_states
-from jmamba.ops.mamba3_siso_scan.common import Mamba3ScanStates, expand_groups, siso_step
-from jmamba.ops.selective_scan.common import softplus_thresholded
-from jmamba.ops.validation import check_float, shape_of
 
 f32 = jnp.float32
 
-
-class Mamba3LayerState(NamedTuple):
-    """Recurrent state of one Mamba-3 layer (spec §3.3), official `Input_States` order.
-
-    Attributes:
-      angle: [Bt, H, S] float32, accumulated RoPE angle θ, wrapped into [0, 2π).
-      ssm: [Bt, H, P, N] float32, the SSM state h.
-      k: [Bt, H, N] float32, the previous key: post-norm, post-bias, post-RoPE B.
-      v: [Bt, H, P] float32, the previous value x.
-    """
-
-    angle: jax.Array
-    ssm: jax.Array
-    k: jax.Array
-    v: jax.Array
+# The recurrent state of one Mamba-3 layer is exactly the scan's four states (docs/mamba3_siso.md §3.3):
+# angle [Bt, H, S], ssm [Bt, H, P, N], k [Bt, H, N] (post-norm, post-bias, post-RoPE B), v [Bt, H, P].
+Mamba3LayerState = ops.Mamba3ScanState
 
 
 def heavy_tail(u):
@@ -64,11 +50,13 @@ def heavy_tail(u):
 
 
 class Mamba3Mixer(nnx.Module):
-    """One Mamba-3 SISO mixer with the official init (spec §2.1, §2.3).
+    """One Mamba-3 SISO mixer with the official init (docs/mamba3_siso.md §2.1, §2.3).
 
     Parameters (nnx paths, all float32): `in_proj.kernel [d_model, in_proj_dim]`, `dt_bias [H]`,
     `B_bias [H, N]`, `C_bias [H, N]`, `B_norm.weight [N]`, `C_norm.weight [N]`, `D [H]`,
     `norm.weight [d_inner]` (only when is_outproj_norm), `out_proj.kernel [d_inner, d_model]`.
+    No-weight-decay tags (docs/mamba3_siso.md §2.4): dt_bias and D in both groups; the biases and
+    every norm scale in the "reference" group.
     """
 
     def __init__(self, cfg: Mamba3Config, *, rngs: nnx.Rngs):
@@ -76,13 +64,14 @@ class Mamba3Mixer(nnx.Module):
         self.config = cfg
         Dm, Di, H, N = cfg.d_model, cfg.d_inner, cfg.nheads, cfg.d_state
         self.in_proj = Dense(Dm, cfg.in_proj_dim, rngs=rngs)
-        self.dt_bias = nnx.Param(
-            inverse_softplus_dt_bias(rngs.params(), (H,), cfg.dt_min, cfg.dt_max, cfg.dt_init_floor))
-        self.B_bias = nnx.Param(jnp.ones((H, N), f32))
-        self.C_bias = nnx.Param(jnp.ones((H, N), f32))
+        self.dt_bias = param(
+            inverse_softplus_dt_bias(rngs.params(), (H,), cfg.dt_min, cfg.dt_max, cfg.dt_init_floor),
+            no_decay=(REFERENCE, OFFICIAL))
+        self.B_bias = param(jnp.ones((H, N), f32), no_decay=(REFERENCE,))
+        self.C_bias = param(jnp.ones((H, N), f32), no_decay=(REFERENCE,))
         self.B_norm = RMSNorm(N, cfg.norm_eps)
         self.C_norm = RMSNorm(N, cfg.norm_eps)
-        self.D = nnx.Param(jnp.ones((H,), f32))
+        self.D = param(jnp.ones((H,), f32), no_decay=(REFERENCE, OFFICIAL))
         self.norm = RMSNorm(Di, cfg.norm_eps) if cfg.is_outproj_norm else None
         scale = cfg.n_layers ** -0.5 if cfg.rescale_out_proj else 1.0
         self.out_proj = Dense(Di, Dm, init_scale=scale, rngs=rngs)
@@ -106,7 +95,7 @@ class Mamba3Mixer(nnx.Module):
         z, xv, B, C, dd_dt, dd_A, trap, angles = jnp.split(proj, bounds, axis=-1)
         lead = x.shape[:-1]
         A = jnp.minimum(-heavy_tail(dd_A.astype(acc)), -cfg.A_floor)
-        DT = softplus_thresholded(dd_dt.astype(acc) + self.dt_bias[...].astype(acc))
+        DT = ops.softplus_thresholded(dd_dt.astype(acc) + self.dt_bias[...].astype(acc))
         B_hat = self.B_norm(B.reshape(lead + (G, N)), x.dtype)
         C_hat = self.C_norm(C.reshape(lead + (G, N)), x.dtype)
         return (z.reshape(lead + (H, P)), xv.reshape(lead + (H, P)), B_hat, C_hat, A * DT, DT,
@@ -146,21 +135,23 @@ class Mamba3Mixer(nnx.Module):
         z, xv, B_hat, C_hat, ADT, DT, trap, angles = self._project(x)
         y, final = ops.mamba3_siso_scan(
             C_hat, B_hat, xv, ADT, DT, trap, self.C_bias[...], self.B_bias[...], angles,
-            D=self.D[...], Z=None if self.norm is not None else z, initial_states=state,
-            return_final_states=True, chunk_size=self.config.chunk_size, reset=reset)
-        return self._output(y, z), Mamba3LayerState(*final)
+            self.D[...], None if self.norm is not None else z, initial_state=state,
+            return_final_state=True, reset=reset, tuning=self._tuning())
+        return self._output(y, z), final
+
+    def _tuning(self):
+        """The scan's tuning: the deprecated `Mamba3Config.chunk_size` when set, else the op's current one."""
+        chunk = self.config.chunk_size
+        if chunk is None:
+            return None
+        current = ops.current_tuning("mamba3_siso_scan")
+        return ops.Mamba3ScanTuning(chunk_size=chunk, pallas_config=current.pallas_config)
 
     def step(self, x_t, state: Mamba3LayerState):
-        """Single-token decode (spec §3.5). x_t: [Bt, d_model] -> (out [Bt, d_model], new state)."""
+        """Single-token decode (docs/mamba3_siso.md §3.5). x_t: [Bt, d_model] -> (out [Bt, d_model], new state)."""
         self._check_x(x_t, 2)
-        cfg = self.config
-        check_states(state, shape_of(x_t)[0], cfg.nheads, cfg.headdim, cfg.d_state, cfg.num_rope_angles, "state")
         z, xv, B_hat, C_hat, ADT, DT, trap, angles = self._project(x_t)
-        acc = ADT.dtype
-        q_bar = expand_groups(C_hat.astype(acc), cfg.nheads) + self.C_bias[...].astype(acc)   # [Bt, H, N]
-        k_bar = expand_groups(B_hat.astype(acc), cfg.nheads) + self.B_bias[...].astype(acc)
-        angles = jnp.broadcast_to(angles[:, None, :], (angles.shape[0], cfg.nheads, angles.shape[-1]))
-        states = Mamba3ScanStates(*(s.astype(accum_dtype(acc, s.dtype)) for s in state))
-        y, new = siso_step(states, q_bar, k_bar, xv.astype(acc), ADT, DT, trap, angles,
-                           self.D[...].astype(acc), None if self.norm is not None else z.astype(acc))
-        return self._output(y.astype(x_t.dtype), z), Mamba3LayerState(*new)
+        y, new = ops.mamba3_siso_step(
+            C_hat, B_hat, xv, ADT, DT, trap, self.C_bias[...], self.B_bias[...], angles, self.D[...],
+            None if self.norm is not None else z, initial_state=state)
+        return self._output(y, z), new

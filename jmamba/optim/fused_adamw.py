@@ -6,7 +6,7 @@
 
 (torch.optim.AdamW / Loshchilov & Hutter 2019: the decay is decoupled and uses the old parameter;
 eps is added after the square root.) The bias corrections are float32 values accurate to a few ulp,
-computed as −expm1(t · log b) with log b from float64 on the host (see `adamw_numerics`), so they
+computed as −expm1(t · log b) with log b from float64 on the host (see `jmamba.ops.adamw.numerics`), so they
 need no float64 and no host callback inside `jit`. lr_t is `learning_rate` or, for a schedule,
 `learning_rate(count)` with the count before this update (optax's convention); it is a traced
 value, so a schedule never recompiles the step.
@@ -21,7 +21,7 @@ Two ways to use it (the numerics are the same; tests/test_fused_adamw.py checks 
 
 2. In place, for the train step: `new_params, new_state, compute_params = opt.apply(grads,
    opt_state, params)` instead of `update` + `apply_updates`. On GPU it runs the Pallas kernel
-   (`pallas_kernels/fused_adamw.py`): a few launches for the whole tree (up to 32 leaves each),
+   (the `jmamba.ops.adamw_update` op; on a CUDA GPU its Pallas kernel): a few launches for the whole tree (up to 32 leaves each),
    each leaf's p, m, v aliased input→output, one HBM pass of 28 bytes per parameter
    (30 with a bf16/f16 compute copy). The leaves stay separate buffers (no arena, no concatenate,
    no per-leaf slicing); called inside a `jit` that donates the TrainState, the update is in place.
@@ -36,7 +36,7 @@ Two ways to use it (the numerics are the same; tests/test_fused_adamw.py checks 
                                                      grad_scale=scale, skip=~jnp.isfinite(norm))
 
 Rounding: the decay and the Adam step are summed before the single rounding at the parameter's
-scale (torch rounds twice, which biases the result; see `pallas_kernels/fused_adamw.py`).
+scale (torch rounds twice, which biases the result; see pallas_kernels/fused_adamw/kernel.py).
 
 State: `FusedAdamWState(count, mu, nu)`; mu and nu are float32 pytrees shaped like the params.
 Master params must be float32.
@@ -51,14 +51,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmamba.ops import dispatch
-from jmamba.ops.pallas_platform import triton_platform_reason
-from jmamba.optim.adamw_numerics import adamw_leaf_update, is_static_number, step_scalars
-from pallas_kernels.fused_adamw import COMPUTE_DTYPES, KernelConfig
+from jmamba import ops
+from jmamba.core.validation import is_static_number
+from jmamba.optim.fused_apply import FUSED_APPLY
 
 f32 = jnp.float32
-OP = "fused_adamw"
-IMPLEMENTATIONS = (None, "xla", "pallas")
+IMPLEMENTATIONS = (None, "reference", "xla", "pallas")
+COMPUTE_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 class FusedAdamWState(NamedTuple):
@@ -85,11 +84,16 @@ class _Hyperparams:
     mask: Any
     implementation: Optional[str]
     compute_dtype: Any
-    kernel_config: KernelConfig
+    tuning: Any          # an ops.AdamWTuning, or None (the op's current tuning)
 
 
-class FusedAdamW(optax.GradientTransformation):
-    """An `optax.GradientTransformation` (init, update) with an extra in-place `apply` method."""
+class FusedAdamW(optax.GradientTransformationExtraArgs):
+    """An `optax.GradientTransformation` (init, update) with an extra in-place `apply` method.
+
+    It offers the fused-apply protocol (`jmamba.optim.fused_apply`): `update.fused_apply` is
+    `apply` without the compute copy, so the train step runs the fused kernel, also when this
+    transformation is the last element of an `optax.chain`. (It is an ExtraArgs transformation so
+    that `optax.chain` keeps its `update` as is.)"""
 
     __slots__ = ()
 
@@ -118,7 +122,8 @@ class _Update:
     def __init__(self, hp: _Hyperparams):
         self.hp = hp
 
-    def __call__(self, updates, state: FusedAdamWState, params=None):
+    def __call__(self, updates, state: FusedAdamWState, params=None, **extra_args):
+        del extra_args
         if params is None:
             raise ValueError("fused_adamw.update needs params (the decoupled weight decay reads them)")
         new_params, new_state, _ = _step(self.hp, updates, state, params, implementation="xla",
@@ -130,12 +135,22 @@ class _Update:
         return _step(self.hp, grads, state, params, implementation=self.hp.implementation,
                      compute_dtype=self.hp.compute_dtype, grad_scale=grad_scale, skip=skip)
 
+    def fused_apply(self, grads, state, params, *, grad_scale=None, skip=None):
+        """The fused-apply protocol: (new_params, new_state) of `update` + `apply_updates` on
+        `grads · grad_scale`, unchanged when `skip`; one pass over p, g, m, v."""
+        new_params, new_state, _ = _step(self.hp, grads, state, params, implementation=self.hp.implementation,
+                                         compute_dtype=None, grad_scale=grad_scale, skip=skip)
+        return new_params, new_state
+
+
+assert FUSED_APPLY == "fused_apply"   # the protocol's attribute name is the method above
+
 
 def fused_adamw(learning_rate: Union[float, optax.Schedule], b1: float = 0.9, b2: float = 0.999,
                 eps: float = 1e-8, weight_decay: float = 1e-2,
                 mask: Optional[Union[Any, Callable[[Any], Any]]] = None, *,
                 implementation: Optional[str] = None, compute_dtype=None,
-                kernel_config: Optional[KernelConfig] = None) -> FusedAdamW:
+                kernel_config=None) -> FusedAdamW:
     """AdamW with torch.optim.AdamW numerics (see the module docstring for the math).
 
     Args:
@@ -146,11 +161,13 @@ def fused_adamw(learning_rate: Union[float, optax.Schedule], b1: float = 0.9, b2
       mask: like `optax.adamw`: a pytree of bools with the structure of the params (or a prefix of
         it), or a callable `params -> that pytree`; True = this leaf is decayed. See
         `jmamba.optim.no_decay_mask`.
-      implementation: for `apply` only: None (Pallas kernel on GPU, plain JAX elsewhere), "xla"
-        (plain JAX) or "pallas" (the kernel; interpreted on CPU). `update` is always plain JAX.
+      implementation: for `apply` only: None (Pallas kernel on GPU, plain JAX elsewhere),
+        "reference"/"xla" (plain JAX) or "pallas" (the kernel; interpreted on CPU); the
+        `jmamba.ops.adamw_update` dispatch. `update` is always plain JAX.
       compute_dtype: None, jnp.bfloat16 or jnp.float16: `apply` also returns the new params in this
         dtype, written in the same pass.
-      kernel_config: launch shape of the Pallas kernel (`KernelConfig()` when None).
+      kernel_config: launch shape of the Pallas kernel, a `jmamba.optim.KernelConfig` (None: the
+        `adamw_update` op's current tuning).
 
     Returns:
       A `FusedAdamW`: an `optax.GradientTransformation` whose state is `FusedAdamWState`, plus
@@ -166,11 +183,9 @@ def fused_adamw(learning_rate: Union[float, optax.Schedule], b1: float = 0.9, b2
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if compute_dtype is not None and jnp.dtype(compute_dtype) not in [jnp.dtype(d) for d in COMPUTE_DTYPES]:
         raise ValueError(f"compute_dtype must be None, jnp.bfloat16 or jnp.float16, got {compute_dtype!r}")
-    if kernel_config is not None and not isinstance(kernel_config, KernelConfig):
-        raise TypeError(f"kernel_config must be a KernelConfig or None, got {type(kernel_config).__name__}")
-    kcfg = (kernel_config or KernelConfig()).validate()
+    tuning = None if kernel_config is None else ops.AdamWTuning(pallas_config=kernel_config)   # validates it
     hp = _Hyperparams(learning_rate, b1, b2, eps, weight_decay, mask, implementation,
-                      None if compute_dtype is None else jnp.dtype(compute_dtype), kcfg)
+                      None if compute_dtype is None else jnp.dtype(compute_dtype), tuning)
 
     def init(params) -> FusedAdamWState:
         leaves = jax.tree_util.tree_leaves_with_path(params)
@@ -203,11 +218,11 @@ def _step(hp: _Hyperparams, grads, state, params, *, implementation, compute_dty
 
     count = optax.safe_increment(state.count)
     lr = hp.learning_rate(state.count) if callable(hp.learning_rate) else hp.learning_rate
-    scalars = step_scalars(learning_rate=lr, b1=hp.b1, b2=hp.b2, eps=hp.eps,
-                           weight_decay=hp.weight_decay, step=count, grad_scale=grad_scale, skip=skip)
-    impl = dispatch.choose(OP, implementation)
-    new_p, new_m, new_v, new_c = impl.fn(p_leaves, g_leaves, m_leaves, v_leaves, scalars, decay,
-                                         compute_dtype=compute_dtype, config=hp.kernel_config)
+    scalars = ops.step_scalars(learning_rate=lr, b1=hp.b1, b2=hp.b2, eps=hp.eps,
+                               weight_decay=hp.weight_decay, step=count, grad_scale=grad_scale, skip=skip)
+    new_p, new_m, new_v, new_c = ops.adamw_update(p_leaves, g_leaves, m_leaves, v_leaves, scalars, decay,
+                                                  compute_dtype=compute_dtype, implementation=implementation,
+                                                  tuning=hp.tuning)
     if skip is not None:
         count = jnp.where(jnp.asarray(skip, bool), state.count, count)
     new_state = FusedAdamWState(count=count, mu=treedef.unflatten(new_m), nu=treedef.unflatten(new_v))
@@ -256,27 +271,3 @@ def _check_scalar(name, v, *, lo, hi_open=None):
     if not (x >= lo and x < float("inf")) or (hi_open is not None and not x < hi_open):
         rng = f"[{lo}, {hi_open})" if hi_open is not None else f">= {lo} and finite"
         raise ValueError(f"{name} must be {rng}, got {x}")
-
-
-# --------------------------------------------------------------------------- implementations
-def _xla_update(ps, gs, ms, vs, scalars, decay, *, compute_dtype, config):
-    del config
-    outs = [adamw_leaf_update(p, g, m, v, scalars, decay=d)
-            for p, g, m, v, d in zip(ps, gs, ms, vs, decay)]
-    new_p = [o[0] for o in outs]
-    new_c = None if compute_dtype is None else [p.astype(compute_dtype) for p in new_p]
-    return new_p, [o[1] for o in outs], [o[2] for o in outs], new_c
-
-
-def _pallas_update(ps, gs, ms, vs, scalars, decay, *, compute_dtype, config):
-    from pallas_kernels.fused_adamw import fused_adamw_leaves
-    return fused_adamw_leaves(ps, gs, ms, vs, scalars, decay, compute_dtype=compute_dtype,
-                              config=config)
-
-
-def _pallas_supported(platform, **_):
-    return triton_platform_reason(platform, "the fused AdamW kernel")
-
-
-dispatch.register(OP, "xla", lambda: dispatch.Implementation(_xla_update, lambda **_: None))
-dispatch.register(OP, "pallas", lambda: dispatch.Implementation(_pallas_update, _pallas_supported))

@@ -6,12 +6,13 @@
     step  = make_train_step(model, opt, loss_fn=..., mesh=mesh)     # same step, now SPMD
     state, metrics = step(state, batch)           # batch: global batch, split over `data`
 
-Placement:
-  * batch and recurrent state: the leading (batch) axis is split over `data`;
-  * parameters, optimizer state and gradient accumulator: replicated, or with `fsdp=True` split over
-    `data` along their largest axis divisible by the axis size (leaves with none stay replicated);
-    XLA then all-gathers them for the forward/backward and reduce-scatters the gradients;
-  * step counter and loss scale: replicated.
+Placement, read from each state field's `placement` metadata (so this module needs no knowledge of
+the training layer; `TrainState` declares it):
+  * "rows" (batch and recurrent state): the leading (batch) axis is split over `data`;
+  * "weights" (parameters, optimizer state, gradient accumulator): replicated, or with `fsdp=True`
+    split over `data` along their largest axis divisible by the axis size (leaves with none stay
+    replicated); XLA then all-gathers them for the forward/backward and reduce-scatters the gradients;
+  * "replicated" (step counters, loss scale).
 XLA inserts the collectives (gradient all-reduce or reduce-scatter); the Pallas kernels run inside
 `jax.shard_map` on each device's local batch (see `jmamba.ops.batch_sharding`).
 
@@ -30,8 +31,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jmamba.ops.batch_sharding import DATA_AXIS
-from jmamba.training.train_state import TrainState
+from jmamba.core.axes import DATA_AXIS
+
+PLACEMENTS = ("weights", "rows", "replicated")
 
 
 def make_data_mesh(devices: Optional[Sequence] = None) -> jax.sharding.Mesh:
@@ -58,11 +60,18 @@ def _fsdp_spec(shape, n):
     return P(*spec)
 
 
-def state_shardings(state: TrainState, mesh, *, fsdp: bool = False):
-    """The NamedSharding of every leaf of `state` (a pytree shaped like the state)."""
+def state_shardings(state, mesh, *, fsdp: bool = False):
+    """The NamedSharding of every leaf of `state` (a pytree shaped like the state).
+
+    `state` is a dataclass pytree (a `jmamba.TrainState`) whose array fields carry `placement`
+    metadata ("weights", "rows" or "replicated").
+    """
     _check_mesh(mesh)
-    if not isinstance(state, TrainState):
-        raise TypeError(f"state must be a jmamba.TrainState, got {type(state).__name__}")
+    fields = [f for f in getattr(type(state), "__dataclass_fields__", {}).values()
+              if f.metadata.get("pytree_node", True)]
+    if not fields or any(f.metadata.get("placement") not in PLACEMENTS for f in fields):
+        raise TypeError(f"state must be a jmamba.TrainState (a dataclass whose fields declare a placement), "
+                        f"got {type(state).__name__}")
     n = mesh.shape[DATA_AXIS]
     rep = NamedSharding(mesh, P())
 
@@ -75,14 +84,9 @@ def state_shardings(state: TrainState, mesh, *, fsdp: bool = False):
                              f"divisible by the '{DATA_AXIS}' axis ({n})")
         return NamedSharding(mesh, P(DATA_AXIS))
 
-    return state.replace(
-        params=jax.tree.map(weights, state.params),
-        opt_state=jax.tree.map(weights, state.opt_state),
-        recurrent_state=jax.tree.map(batch_rows, state.recurrent_state),
-        step=rep,
-        loss_scale=jax.tree.map(lambda _: rep, state.loss_scale),
-        grad_accum=jax.tree.map(weights, state.grad_accum),
-    )
+    place = {"weights": weights, "rows": batch_rows, "replicated": lambda _: rep}
+    return state.replace(**{f.name: jax.tree.map(place[f.metadata["placement"]], getattr(state, f.name))
+                            for f in fields})
 
 
 def batch_shardings(batch: dict, mesh):
@@ -100,7 +104,7 @@ def batch_shardings(batch: dict, mesh):
     return jax.tree.map(one, batch)
 
 
-def shard_state(state: TrainState, mesh, *, fsdp: bool = False) -> TrainState:
+def shard_state(state, mesh, *, fsdp: bool = False):
     """Places `state` on the mesh (see the module docstring)."""
     return jax.device_put(state, state_shardings(state, mesh, fsdp=fsdp))
 

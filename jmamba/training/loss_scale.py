@@ -54,3 +54,13 @@ def update_loss_scale(ls: DynamicLossScale, finite: jax.Array) -> DynamicLossSca
     scale = jnp.where(finite, jnp.where(grow, ls.scale * GROWTH_FACTOR, ls.scale), ls.scale * BACKOFF_FACTOR)
     scale = jnp.clip(scale, MIN_SCALE, MAX_SCALE)
     return DynamicLossScale(scale.astype(jnp.float32), jnp.where(grow, 0, good).astype(jnp.int32))
+
+
+def scale_cotangent(d_out, ls: DynamicLossScale | None):
+    """d_out · scale before the backward pass (unchanged without a loss scale)."""
+    return d_out if ls is None else d_out * ls.scale
+
+
+def unscale_factor(ls: DynamicLossScale | None):
+    """1 / scale (exact: scales are powers of two), or None without a loss scale."""
+    return None if ls is None else 1.0 / ls.scale

@@ -22,15 +22,14 @@ import itertools
 from typing import Optional
 
 import jax
-import optax
 from flax import nnx
-
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jmamba.ops.batch_sharding import DATA_AXIS
-from jmamba.ops.validation import shape_of
-from jmamba.parallel.mesh import shard_batch, shard_state
+from jmamba.core.axes import DATA_AXIS
+from jmamba.core.validation import shape_of
+from jmamba.parallel import shard_batch, shard_state
 from jmamba.training.clipping import check_max_norm
+from jmamba.training.optimizer_update import check_optimizer
 from jmamba.training.step_core import apply_gradients, forward_with_vjp
 from jmamba.training.train_state import TrainState, check_precision
 from jmamba.training.train_step import check_batch, check_d_out, check_state_for_step
@@ -76,7 +75,7 @@ def _backward_jit(state, vjp_fn, d_out, *, optimizer, clip_max_norm, accumulate_
                            clip_max_norm=clip_max_norm, accumulate_only=accumulate_only)
 
 
-def forward(model: nnx.Module, state: TrainState, batch: dict, *, precision: str = "f32",
+def forward(model: nnx.Module, state: TrainState, batch: dict, *, precision="f32",
             truncate_bptt: bool = True, mesh=None, fsdp: bool = False):
     """Training forward from the carried state.
 
@@ -92,7 +91,7 @@ def forward(model: nnx.Module, state: TrainState, batch: dict, *, precision: str
     Returns:
       (outputs float32 [B, T, ...], ctx: ForwardContext, new_state with the advanced recurrent state).
     """
-    check_precision(precision)
+    precision = check_precision(precision)
     check_state_for_step(state, precision)
     if state.pending_forward is not None:
         raise RuntimeError("another forward is pending: run its backward_step first")
@@ -108,12 +107,12 @@ def forward(model: nnx.Module, state: TrainState, batch: dict, *, precision: str
     return outputs, ctx, state.replace(recurrent_state=new_rec, pending_forward=token)
 
 
-def backward_step(optimizer: optax.GradientTransformation, state: TrainState, ctx: ForwardContext, d_out, *,
+def backward_step(optimizer, state: TrainState, ctx: ForwardContext, d_out, *,
                   clip_max_norm: Optional[float] = None, accumulate_only: bool = False):
     """Backward for `ctx`'s forward, then clip and optimizer (or only accumulate the gradients).
 
     Args:
-      optimizer: the optax transformation whose state is in `state.opt_state`.
+      optimizer: the optax transformation (or `optax.MultiSteps`) whose state is in `state.opt_state`.
       state: the TrainState returned by the matching `forward`.
       ctx: that forward's ForwardContext.
       d_out: ∂loss/∂outputs, the shape of the forward's outputs.
@@ -125,8 +124,7 @@ def backward_step(optimizer: optax.GradientTransformation, state: TrainState, ct
     """
     if not isinstance(ctx, ForwardContext):
         raise TypeError(f"ctx must be the ForwardContext returned by forward(), got {type(ctx).__name__}")
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
+    check_optimizer(optimizer)
     check_state_for_step(state, ctx.precision)
     if ctx.consumed:
         raise RuntimeError("this forward's backward_step already ran (a second backward on the same forward)")

@@ -4,7 +4,11 @@ Fields (arrays):
   params: float32 master parameters (an `nnx.State` of `nnx.Param`s, from `nnx.split`).
   opt_state: the optax optimizer state for `params`.
   recurrent_state: the model's recurrent state carried between windows (`model.init_state(B)`).
-  step: int32 scalar, the number of optimizer updates applied.
+  step: int32 scalar, the number of applied training steps (train-step calls and applying
+    `backward_step`s that were not skipped; the checkpoint number). Under `optax.MultiSteps` each is
+    a micro-step.
+  updates: int32 scalar, the number of optimizer updates that changed the parameters (equal to
+    `step` except under `optax.MultiSteps`, which updates every k-th micro-step).
   loss_scale: `DynamicLossScale` for float16 training, else None.
   grad_accum: float32 gradient accumulator (same tree as params) when created with `accumulate=True`.
 
@@ -19,44 +23,56 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx, struct
 
+from jmamba.core.precision import Precision, as_training_precision
 from jmamba.training.loss_scale import DynamicLossScale
+from jmamba.training.optimizer_update import check_optimizer
 
-PRECISIONS = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+# Kept for code that looked precisions up by name; `jmamba.Precision` is the type.
+PRECISIONS = {p.value: p.compute_dtype for p in (Precision.F32, Precision.BF16, Precision.F16)}
 
 
-def check_precision(precision):
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+def check_precision(precision) -> Precision:
+    """The training `Precision` of "f32" / "bf16" / "f16" (or a Precision / dtype); ValueError otherwise."""
+    return as_training_precision(precision)
+
+
+def _placement(kind):
+    """Field metadata read by `jmamba.parallel.state_shardings`: "weights" (replicated, or split with
+    FSDP), "rows" (split over the batch axis) or "replicated"."""
+    return {"placement": kind}
 
 
 class TrainState(struct.PyTreeNode):
-    params: Any
-    opt_state: Any
-    recurrent_state: Any
-    step: jax.Array
-    loss_scale: Optional[DynamicLossScale] = None
-    grad_accum: Any = None
+    params: Any = struct.field(metadata=_placement("weights"))
+    opt_state: Any = struct.field(metadata=_placement("weights"))
+    recurrent_state: Any = struct.field(metadata=_placement("rows"))
+    step: jax.Array = struct.field(metadata=_placement("replicated"))
+    updates: jax.Array = struct.field(metadata=_placement("replicated"), default=None)
+    loss_scale: Optional[DynamicLossScale] = struct.field(metadata=_placement("replicated"), default=None)
+    grad_accum: Any = struct.field(metadata=_placement("weights"), default=None)
     accumulating: bool = struct.field(pytree_node=False, default=False)
     pending_forward: Optional[int] = struct.field(pytree_node=False, default=None)
 
+    # Checkpoints written before a field existed restore it from another leaf (see jmamba.io.checkpoint).
+    checkpoint_upgrades = {".updates": ".step"}
+
     @classmethod
-    def create(cls, model: nnx.Module, optimizer: optax.GradientTransformation, batch_size: int,
-               *, precision: str = "f32", accumulate: bool = False) -> "TrainState":
+    def create(cls, model: nnx.Module, optimizer, batch_size: int,
+               *, precision="f32", accumulate: bool = False) -> "TrainState":
         """Initial state: float32 master copies of the model's parameters, a fresh optimizer, zero state.
 
         Args:
           model: an nnx module with `init_state(batch)` (a backbone or `MambaLM`).
-          optimizer: any optax transformation (e.g. `optax.adamw(...)` or `jmamba.fused_adamw(...)`).
+          optimizer: any optax transformation (e.g. `optax.adamw(...)`, `jmamba.fused_adamw(...)`, an
+            `optax.chain`) or an `optax.MultiSteps`.
           batch_size: rows of the carried recurrent state.
           precision: "f32", "bf16" or "f16"; "f16" creates the dynamic loss scale.
           accumulate: allocate a float32 gradient accumulator (for `backward_step(accumulate_only=True)`).
         """
-        check_precision(precision)
-        if not isinstance(optimizer, optax.GradientTransformation):
-            raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
+        precision = check_precision(precision)
+        check_optimizer(optimizer)
         if not hasattr(model, "init_state"):
             raise TypeError(f"model must have init_state(batch) (a backbone or MambaLM), got {type(model).__name__}")
         bad = [jax.tree_util.keystr(p) for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
@@ -67,8 +83,8 @@ class TrainState(struct.PyTreeNode):
         params = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
         return cls(params=params, opt_state=optimizer.init(params),
                    recurrent_state=model.init_state(batch_size),
-                   step=jnp.zeros((), jnp.int32),
-                   loss_scale=DynamicLossScale.create() if precision == "f16" else None,
+                   step=jnp.zeros((), jnp.int32), updates=jnp.zeros((), jnp.int32),
+                   loss_scale=DynamicLossScale.create() if precision.needs_loss_scale else None,
                    grad_accum=jax.tree.map(jnp.zeros_like, params) if accumulate else None)
 
     def reset_recurrent_state(self, rows=None) -> "TrainState":

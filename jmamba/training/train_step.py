@@ -14,8 +14,8 @@ ids for `MambaLM`), optional `reset` ([B] or [B, T] bool), `d_out` in the second
 else `loss_fn` reads (e.g. `targets`).
 
 Order inside the step: forward (compute dtype) -> loss -> d_out · loss_scale -> backward -> finite
-check (f16) -> unscale -> global norm -> clip -> optimizer. Metrics: `step`, `loss` (loss_fn mode),
-`grad_norm` (when clipping, pre-clip), `loss_scale` and `overflow_skipped` (f16).
+check (f16) -> unscale -> global norm -> clip -> optimizer. Metrics: `step`, `updates`, `loss`
+(loss_fn mode), `grad_norm` (pre-clip, unscaled), `loss_scale` and `overflow_skipped` (f16).
 """
 
 from __future__ import annotations
@@ -24,30 +24,33 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
-from jmamba.ops.validation import shape_of
+from jmamba.core.validation import shape_of
 from jmamba.training.clipping import check_max_norm
+from jmamba.training.optimizer_update import check_optimizer
 from jmamba.training.step_core import apply_gradients, forward_with_vjp
 from jmamba.training.train_state import TrainState, check_precision
 
 f32 = jnp.float32
 
 
-def make_train_step(model: nnx.Module, optimizer: optax.GradientTransformation, *,
-                    loss_fn: Optional[Callable] = None, precision: str = "f32",
+def make_train_step(model: nnx.Module, optimizer, *,
+                    loss_fn: Optional[Callable] = None, precision="f32",
                     clip_max_norm: Optional[float] = None, truncate_bptt: bool = True,
                     donate: bool = True, jit: bool = True, mesh=None, fsdp: bool = False):
     """Builds the training step for `model` (its structure; parameters come from the TrainState).
 
     Args:
-      model: an nnx module called as `model(inputs, state, reset=..., compute_dtype=...,
+      model: an nnx module called as `model(inputs, state, reset=..., precision=...,
         truncate_bptt=...) -> (outputs, new_state)` (a backbone or `MambaLM`).
-      optimizer: the optax transformation whose state is in `TrainState.opt_state`.
+      optimizer: the optax transformation (or `optax.MultiSteps`) whose state is in
+        `TrainState.opt_state`. One that offers a fused apply (`jmamba.fused_adamw`, alone or last
+        in an `optax.chain`) runs its fused kernel with the unscale and clip factors folded in.
       loss_fn: `loss_fn(outputs, batch) -> loss | (loss, aux)`; None = the batch holds `d_out`.
-      precision: compute precision "f32", "bf16" or "f16" (f16 needs a TrainState created with
-        precision="f16", which holds the dynamic loss scale). Master params stay float32.
+      precision: compute precision "f32", "bf16" or "f16" (or a `jmamba.Precision`; f16 needs a
+        TrainState created with precision="f16", which holds the dynamic loss scale). Master params
+        stay float32.
       clip_max_norm: global-norm clipping threshold (torch semantics), or None.
       truncate_bptt: no gradient into the carried state (mamba-rs semantics); False keeps the op
         differentiable w.r.t. the incoming state (only matters when windows are chained in one program).
@@ -62,12 +65,11 @@ def make_train_step(model: nnx.Module, optimizer: optax.GradientTransformation, 
     Returns:
       step(state, batch) -> (new_state, metrics).
     """
-    check_precision(precision)
+    precision = check_precision(precision)
     check_max_norm(clip_max_norm)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
+    check_optimizer(optimizer)
     graphdef = nnx.graphdef(model)
 
     def core(state: TrainState, batch):
@@ -120,7 +122,7 @@ def _sharded_jit(core, mesh, fsdp, donate_argnums):
     traced and run under `jax.set_mesh(mesh)` so the ops shard their kernels over the batch."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jmamba.parallel.mesh import batch_shardings, state_shardings
+    from jmamba.parallel import batch_shardings, state_shardings
     cache = {}
 
     def call(state, batch):
@@ -140,7 +142,7 @@ def _sharded_jit(core, mesh, fsdp, donate_argnums):
 def check_state_for_step(state, precision):
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be a jmamba.TrainState, got {type(state).__name__}")
-    if precision == "f16" and state.loss_scale is None:
+    if check_precision(precision).needs_loss_scale and state.loss_scale is None:
         raise ValueError("precision='f16' needs the dynamic loss scale: create the state with "
                          "TrainState.create(..., precision='f16')")
 

@@ -1,0 +1,102 @@
+"""Applying the optimizer: one job, given gradients that are already unscaled-and-clipped by factor.
+
+    plan = OptimizerPlan.of(optimizer)                  # once, when the step is built
+    params, opt_state, applied, updated = plan.apply(grads, opt_state, params,
+                                                     grad_scale=..., skip=...)
+
+`optimizer` is an `optax.GradientTransformation` or an `optax.MultiSteps`. When the transformation
+offers a fused apply (`jmamba.optim.fused_apply`: `fused_adamw`, alone or last in an `optax.chain`),
+the gradient factor and the skip go into that one pass; otherwise the gradients are multiplied by
+each factor in turn, then `update` + `apply_updates` run under a `lax.cond` that skips them.
+A fused transformation that cannot run fused (e.g. inside `optax.MultiSteps`) is reported with one
+warning per optimizer, naming why.
+
+`applied` is False on a skipped step; `updated` says whether the parameters were updated (differs
+from `applied` only under `optax.MultiSteps`, which updates every k-th micro-step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jmamba.optim.fused_adamw import FusedAdamWState
+from jmamba.optim.fused_apply import explain_unfused, find_fused_apply
+
+_WARNED: set = set()
+
+
+def check_optimizer(optimizer, name: str = "optimizer"):
+    if isinstance(optimizer, (optax.GradientTransformation, optax.MultiSteps)):
+        return
+    raise TypeError(f"{name} must be an optax.GradientTransformation or an optax.MultiSteps, "
+                    f"got {type(optimizer).__name__}")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OptimizerPlan:
+    """How a train step applies `optimizer` (built once per optimizer; hashable by identity).
+
+    Attributes:
+      tx: the GradientTransformation to run (MultiSteps' own transformation for a MultiSteps).
+      fused: the fused apply `tx` offers, or None.
+      has_updated: for MultiSteps, `state -> bool` (did the last update change the params), else None.
+    """
+
+    tx: Any
+    fused: Optional[Callable]
+    has_updated: Optional[Callable]
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)
+    def of(optimizer) -> "OptimizerPlan":
+        check_optimizer(optimizer)
+        if isinstance(optimizer, optax.MultiSteps):
+            return OptimizerPlan(optimizer.gradient_transformation(), None, optimizer.has_updated)
+        return OptimizerPlan(optimizer, find_fused_apply(optimizer), None)
+
+    def warn_if_unfused(self, opt_state) -> None:
+        """One warning per optimizer when a fused transformation inside it cannot run fused."""
+        if self.fused is not None or id(self) in _WARNED:
+            return
+        why = explain_unfused(self.tx, opt_state, (FusedAdamWState,))
+        if why is not None:
+            _WARNED.add(id(self))
+            warnings.warn(f"the fused optimizer kernel is not used: {why}", stacklevel=4)
+
+    def apply(self, grads, opt_state, params, *, factors=(), skip=None):
+        """One optimizer step on `grads · Π factors`.
+
+        Args:
+          grads: float32 gradients (the params' structure).
+          factors: float32 scalars multiplying the gradients (e.g. 1/loss_scale, the clip factor),
+            applied in this order.
+          skip: None or a bool scalar; True leaves params and optimizer state unchanged.
+
+        Returns:
+          (params, opt_state, applied bool scalar, updated bool scalar).
+        """
+        applied = jnp.asarray(True) if skip is None else jnp.logical_not(skip)
+        if self.fused is not None:
+            grad_scale = functools.reduce(jnp.multiply, factors) if factors else None
+            params, opt_state = self.fused(grads, opt_state, params, grad_scale=grad_scale, skip=skip)
+            return params, opt_state, applied, applied
+        for f in factors:
+            grads = jax.tree.map(lambda g: g * f, grads)
+
+        def update(_):
+            updates, new_state = self.tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_state
+
+        def keep(_):
+            return params, opt_state
+
+        params, opt_state = update(None) if skip is None else jax.lax.cond(applied, update, keep, None)
+        updated = applied if self.has_updated is None else jnp.logical_and(applied, self.has_updated(opt_state))
+        return params, opt_state, applied, updated
