@@ -7,11 +7,11 @@ One command:
 Workloads: a 130M-parameter float32 arena (one leaf) and the parameter tree of a 130m-class
 Mamba-1 LM (d_model 768, 24 layers, vocab 50280; jmamba's own leaf layout). Every variant runs
 under `jax.jit` with params and optimizer state donated, in this process:
-  optax.adamw        update + apply_updates (the PERF.md baseline: 2.667 ms on the tree)
+  optax.adamw        update + apply_updates (the earlier-run baseline: 2.667 ms on the tree)
   fused xla          fused_adamw(...).apply, pure-JAX path
   fused pallas       fused_adamw(...).apply, the Pallas-Triton kernel (default KernelConfig)
   fused pallas+bf16  the same, also writing a bf16 compute copy (30 bytes/param)
-Timing: "per call" = one jitted update with block_until_ready around it (PERF.md protocol, includes
+Timing: "per call" = one jitted update with block_until_ready around it (docs/performance.md §2, includes
 host dispatch of every leaf); "in loop" = 10 updates in one jitted fori_loop, per update (device
 time). Median of --iters runs after warm-up, min–max in brackets. Bandwidth = bytes/param × params
 / time, bytes/param = 28 (read p, g, m, v; write p, m, v), against the 3.72 TB/s measured copy
@@ -158,7 +158,8 @@ def run_variant(name, make_step, init, params, grads, args, *, bytes_per_param):
         loop_fn = jax.jit(looped(step, loop_k), donate_argnums=(0, 1))
         in_loop = [t / loop_k for t in time_calls(loop_fn, p, s, grads, args.iters, 1)]
     row = {"variant": name, "params": n, "leaves": len(jax.tree.leaves(params)), "stats": stats,
-           "per_call": per_call, "in_loop": in_loop, "bytes": bytes_per_param}
+           "per_call": per_call, "in_loop": in_loop, "bytes": bytes_per_param,
+           "seconds": {"per call": statistics.median(per_call), "in loop": statistics.median(in_loop)}}
     print(f"  {name}: per call {statistics.median(per_call) * 1e3:.3f} ms, "
           f"in loop {statistics.median(in_loop) * 1e3:.3f} ms   {stats}", flush=True)
     return row
@@ -195,7 +196,7 @@ def print_table(workload, rows):
 def correctness(params, label, kernel_config):
     """Kernel vs pure JAX (per leaf), vs optax.adamw (whole tree), determinism. Returns failures."""
     fails = []
-    mask = no_decay_mask(params, "mamba1") if "backbone" in params else None
+    mask = no_decay_mask(params) if "backbone" in params else None
     steps = [grads_like(params, 100 + i) for i in range(3)]
     runs = {}
     applies = {}
@@ -250,6 +251,9 @@ def correctness(params, label, kernel_config):
 
 # ---------------------------------------------------------------------------------------- main
 def main(argv=None):
+    """Runs the benchmark (argv as on the command line); returns the rows of every workload (one per
+    variant, each with `workload` and `seconds`: {"per call", "in loop"} medians). Exits 1 after the
+    tables when a correctness check failed."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="small shapes for a CPU smoke run")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per variant (>= 10)")
@@ -296,7 +300,7 @@ def main(argv=None):
         print(f"\n## {workload}", flush=True)
         params = make()
         grads = grads_like(params, 4)
-        mask = no_decay_mask(params, "mamba1") if "backbone" in params else None
+        mask = no_decay_mask(params) if "backbone" in params else None
         rows = []
         ref = optax.adamw(LR, weight_decay=WD, mask=mask)
         rows.append(run_variant("optax.adamw", lambda: optax_step(ref), ref.init, params, grads, args,
@@ -320,12 +324,14 @@ def main(argv=None):
         rows.append(run_variant(f"fused pallas + bf16 copy (block {best[0].block_size}, "
                                 f"{best[0].num_warps} warps)", lambda: fused_step(kb), kb.init,
                                 params, grads, args, bytes_per_param=30))
+        for r in rows:
+            r["workload"] = workload
         results[workload] = rows
         print_table(workload, rows)   # now, so a cut-off run still reports what it measured
         del params, grads
 
     print("\n## results\n")
-    print(f"Device {dev.device_kind}; PERF.md anchors: optax.adamw on the 130m-class tree "
+    print(f"Device {dev.device_kind}; earlier-run anchors: optax.adamw on the 130m-class tree "
           f"{OPTAX_ANCHOR_MS} ms (1.36 TB/s); target ≤ 1.3 ms (≥ 75% of {PEAK_TBS} TB/s), stretch ≥ 85%.")
     for workload, rows in results.items():
         if workload == "best_arena_cfg":
@@ -336,6 +342,7 @@ def main(argv=None):
         print("FAIL:\n  " + "\n  ".join(fails))
         sys.exit(1)
     print("correctness: all checks passed")
+    return [r for workload, rows in results.items() if workload != "best_arena_cfg" for r in rows]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark of the Mamba-3 SISO scan: pallas vs xla vs reference, one process.
 
-    python3 benchmarks/bench_mamba3_scan.py              # the three PERF.md shapes (GPU)
+    python3 benchmarks/bench_mamba3_scan.py              # the three shapes of docs/performance.md §6 (GPU)
     python3 benchmarks/bench_mamba3_scan.py --sweep      # also time the SWEEP Pallas configs at b8t2048
     python3 benchmarks/bench_mamba3_scan.py --breakdown  # also time each Pallas launch at b8t2048
     python3 benchmarks/bench_mamba3_scan.py --tiny       # CPU smoke run at a tiny shape (interpret mode)
@@ -16,7 +16,7 @@ as soon as their shape is done (a run cut short still leaves the first shapes).
 Rates: FLOP/s counts the dots of the chunked algorithm (forward 2L²(N+P) + 4LNP per chunk and head,
 backward 6L²(N+P) + 10LNP more), against the 668 TFLOP/s bf16 ceiling measured on the H200; bandwidth
 is the fewest bytes the op must move (each input read once, each output written once) over the
-median time, against 3.72 TB/s (PERF.md). The official Triton kernel's times (PERF.md, fixed numbers
+median time, against 3.72 TB/s (docs/performance.md §5). The official Triton kernel's times (fixed numbers
 measured elsewhere) are printed beside. Performance is checked here, never in tests.
 """
 
@@ -39,18 +39,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.measure import fmt_time, rel, timed  # noqa: E402
 
-from jmamba.ops import mamba3_siso_scan  # noqa: E402
-from pallas_kernels.mamba3_siso import DEFAULT_CONFIG, mamba3_siso_scan_pallas  # noqa: E402
+from jmamba.ops import Mamba3ScanTuning, mamba3_siso_scan  # noqa: E402
+from pallas_kernels.mamba3_siso import DEFAULT_CONFIG  # noqa: E402
 
 PEAK_TFLOPS = 668.0
 CEILING_TBPS = 3.72
-# PERF.md: official Triton mamba3_siso_combined on H200 (bf16, D, Z, chunk 64): (fwd, fwd+bwd) ms, best seen.
+# Earlier runs (docs/performance.md §3): official Triton mamba3_siso_combined on H200 (bf16, D, Z, chunk 64): (fwd, fwd+bwd) ms, best seen.
 OFFICIAL_MS = {(8, 2048): ("0.80–1.23", "2.15–3.25"), (32, 512): ("0.74–0.79", "2.03–2.42"),
                (2, 8192): ("2.18", "4.33")}
 DIMS = dict(H=24, P=64, N=128, G=1, S=32)
 SHAPES = {"b8t2048": (8, 2048), "b32t512": (32, 512), "b2t8192": (2, 8192)}
 TINY = dict(shape=(1, 40), dims=dict(H=2, P=16, N=32, G=1, S=8), chunk=16)
-ARG_NAMES = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "Angles", "D", "Z")
+ARG_NAMES = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "Angles", "D", "z")
 # Candidates for `--sweep` (notes_mamba3_scan.md records what a sweep found).
 SWEEP = [
     DEFAULT_CONFIG,
@@ -80,24 +80,16 @@ def make_args(bsz, T, dims, dtype=jnp.bfloat16, seed=0):
     a = dict(Q=rms_normed((bsz, T, G, N)), K=rms_normed((bsz, T, G, N)), V=r.normal(size=(bsz, T, H, P)),
              ADT=-r.uniform(1, 16, (bsz, T, H)) * dt, DT=dt, Trap=r.uniform(0, 1, (bsz, T, H)),
              Q_bias=r.normal(size=(H, N)), K_bias=r.normal(size=(H, N)), Angles=r.normal(size=(bsz, T, S)),
-             D=np.ones(H), Z=r.normal(size=(bsz, T, H, P)))
-    low = ("Q", "K", "V", "Z", "Trap")
+             D=np.ones(H), z=r.normal(size=(bsz, T, H, P)))
+    low = ("Q", "K", "V", "z", "Trap")
     return {k: jnp.asarray(v, dtype if k in low else jnp.float32) for k, v in a.items()}
 
 
-def op_function(impl, chunk, config=None, interpret=False):
-    """fn(args dict) -> out [Bt, T, H, P] through the op (validation and angle broadcast included)."""
-    if impl == "pallas":
-        from jmamba.ops.mamba3_siso_scan.api import _broadcast_heads
-
-        def pallas(a):
-            H = a["V"].shape[2]
-            args = [a[k] for k in ARG_NAMES]
-            args[8] = _broadcast_heads(args[8], H)
-            return mamba3_siso_scan_pallas(*args, None, None, chunk_size=chunk, config=config,
-                                           interpret=interpret)[0]
-        return pallas
-    return lambda a: mamba3_siso_scan(**a, chunk_size=chunk, implementation=impl)
+def op_function(impl, chunk, config=None):
+    """fn(args dict) -> out [Bt, T, H, P] through the op (validation and angle broadcast included);
+    `config` is the Pallas kernels' Mamba3ScanConfig (interpreted off the GPU)."""
+    tuning = Mamba3ScanTuning(chunk_size=chunk, pallas_config=config if impl == "pallas" else None)
+    return lambda a: mamba3_siso_scan(**a, implementation=impl, tuning=tuning)
 
 
 def forward_and_backward(fn):
@@ -151,25 +143,51 @@ def min_bytes(bsz, T, dims, itemsize=2):
     return fwd, fwd + rows + qk + 2 * rows + scal
 
 
-def stage_breakdown(shape, dims, chunk, config, iters, interpret, workers):
+def core_operands(inputs, chunk, config):
+    """(geometry, prep): the kernels' ScanGeometry and `prep(*inputs)` -> the 12 operands of
+    `pallas_kernels.mamba3_siso.core.chunked_core`, i.e. the op's glue and layout work before the core.
+
+    Both are captured from the real glue (jmamba/ops/mamba3_siso_scan/pallas.py) by standing in for
+    `chunked_core` while it runs, so the breakdown times exactly what the op runs.
+    """
+    from jmamba.ops.mamba3_siso_scan.pallas import mamba3_siso_scan_pallas
+    from pallas_kernels.mamba3_siso import scan as kernel_scan
+
+    seen = {}
+
+    def stand_in(geo, *operands):   # what chunked_core returns: out like v, the final state like s0
+        seen["geo"], seen["operands"] = geo, operands
+        v, s0 = operands[7], operands[11]
+        return jnp.zeros(v.shape, v.dtype), jnp.zeros(s0.shape, jnp.float32)
+
+    def prep(*x):
+        real = kernel_scan.chunked_core
+        kernel_scan.chunked_core = stand_in
+        try:
+            mamba3_siso_scan_pallas(*x, None, None, tuning=Mamba3ScanTuning(chunk_size=chunk, pallas_config=config))
+        finally:
+            kernel_scan.chunked_core = real
+        return seen["operands"]
+
+    jax.eval_shape(prep, *inputs)
+    return seen["geo"], prep
+
+
+def stage_breakdown(shape, dims, chunk, config, iters, workers):
     """Times each launch of the Pallas forward and backward on its own: [(stage, (median, min, max))].
 
     Every stage is lowered from abstract shapes and compiled in parallel first, then run in order,
     each feeding the next. The XLA stages are the glue before the core (prep) and its VJP (the glue
     backward); every other stage is one or more Pallas launches.
     """
-    from pallas_kernels.mamba3_siso import chunk_backward, chunk_forward, core, qk_gradients, scan, state_passes
+    from pallas_kernels.mamba3_siso import chunk_backward, chunk_forward, core, qk_gradients, state_passes
     from pallas_kernels.mamba3_siso.queries_keys import head_queries_keys_kernel as queries_keys_kernel
 
     a = make_args(*shape, dims)
     H = dims["H"]
     angles = jnp.broadcast_to(a["Angles"][:, :, None], a["Angles"].shape[:2] + (H, dims["S"]))
-    inputs = [a[k] for k in ARG_NAMES[:8]] + [angles, a["D"], a["Z"]]
-
-    def prep(*x):
-        return scan.prepare(*x, None, chunk_size=chunk, config=config, interpret=interpret)[1]
-
-    geo = scan.prepare(*inputs, None, chunk_size=chunk, config=config, interpret=interpret)[0]
+    inputs = [a[k] for k in ARG_NAMES[:8]] + [angles, a["D"], a["z"]]
+    geo, prep = core_operands(inputs, chunk, config)
 
     def operands(args, qk, d_out=None):   # args: Q, K, Q_bias, K_bias, scale, inc, θ_entry, v, z, adt, skip, s0
         return core.kernel_operands(*qk, *args[7:11], s0=args[11], d_out=d_out)
@@ -255,6 +273,8 @@ def _short(cfg):
 
 
 def main(argv=None):
+    """Runs the benchmark (argv as on the command line) and returns its records: one dict per timed
+    row (kind "table", "sweep" or "breakdown"), each with `seconds`, {what: median seconds}."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="one tiny shape, Pallas in interpret mode (CPU smoke run)")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
@@ -269,7 +289,6 @@ def main(argv=None):
 
     device = jax.devices()[0]
     print(f"# jax {jax.__version__}, device {device.device_kind} ({jax.default_backend()})", flush=True)
-    interpret = jax.default_backend() != "gpu"
     if a.tiny:
         shapes, dims, chunk = {"tiny": TINY["shape"]}, TINY["dims"], TINY["chunk"]
         iters, ref_iters = min(a.iters, 3), min(a.ref_iters, 3)
@@ -288,7 +307,7 @@ def main(argv=None):
         d_out = jnp.asarray(np.random.default_rng(7).normal(size=args["V"].shape), jnp.bfloat16)
         jobs = {}
         for impl, cfg in impl_configs:
-            fn = op_function(impl, chunk, cfg, interpret)
+            fn = op_function(impl, chunk, cfg)
             jobs[(impl, cfg, "fwd")] = (fn, (args,))
             jobs[(impl, cfg, "fwd+bwd")] = (forward_and_backward(fn), (args, d_out))
         t0 = time.perf_counter()
@@ -342,7 +361,8 @@ def main(argv=None):
             official = OFFICIAL_MS.get((bsz, T))
             print(f"| {key} ({bsz}×{T}) | {impl} | {cells[0][0]} | {cells[0][1]} | {cells[1][0]} | {cells[1][1]} | "
                   f"{speed} | {'' if official is None else f'{official[0]} / {official[1]}'} | {err} |", flush=True)
-            records.append(dict(kind="table", shape=key, impl=impl, fwd=f[0], fwd_bwd=b[0], flops=fl, bytes=by))
+            records.append(dict(kind="table", shape=key, impl=impl, fwd=f[0], fwd_bwd=b[0], flops=fl, bytes=by,
+                                seconds={"fwd": f[0][0], "fwd+bwd": b[0][0]}))
     print("\n'× pallas' = that row's time / pallas time", flush=True)
 
     if sweep:
@@ -356,21 +376,22 @@ def main(argv=None):
             for kind, r in (("fwd", f), ("fwd+bwd", b)):
                 if r:
                     records.append(dict(kind="sweep", shape=first, config=dataclasses.asdict(cfg), what=kind,
-                                        time=r[0]))
+                                        time=r[0], seconds={kind: r[0][0]}))
 
     if a.breakdown:
-        stages = stage_breakdown(shapes[first], dims, chunk, DEFAULT_CONFIG, iters, interpret, a.workers)
+        stages = stage_breakdown(shapes[first], dims, chunk, DEFAULT_CONFIG, iters, a.workers)
         total = sum(t[0] for _, t in stages)
         print(f"\n## Pallas launches one by one, {first}, {_short(DEFAULT_CONFIG)}\n\n"
               "| stage | ms (min–max) | share |\n|---|---|---|")
         for name, t in stages:
             print(f"| {name} | {fmt_time(t)} | {100 * t[0] / total:.0f}% |", flush=True)
-            records.append(dict(kind="breakdown", shape=first, stage=name, time=t))
+            records.append(dict(kind="breakdown", shape=first, stage=name, time=t, seconds={"stage": t[0]}))
         print(f"| sum (each launch timed alone, dispatch included) | {total * 1e3:.3f} | |", flush=True)
 
     if a.json:
         Path(a.json).write_text(json.dumps(dict(jax=jax.__version__, device=device.device_kind, records=records),
                                            indent=1, default=str))
+    return records
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark of the Mamba-1 selective scan: pallas vs xla vs lax.associative_scan vs reference, one process.
 
-    python3 benchmarks/bench_selective_scan.py            # the three PERF.md shapes (GPU)
+    python3 benchmarks/bench_selective_scan.py            # the three shapes of docs/performance.md §6 (GPU)
     python3 benchmarks/bench_selective_scan.py --sweep    # also sweep Pallas block configs first
     python3 benchmarks/bench_selective_scan.py --tiny     # CPU smoke run at a tiny shape (interpret mode)
 
@@ -9,7 +9,7 @@ state. For each implementation: the forward, and forward+backward (a VJP with a 
 returning every input cotangent), each the median of `--iters` runs after a warm-up, every run
 bracketed by `jax.block_until_ready`, with the min–max spread. Bandwidth is the fewest bytes the op
 must move (each input read once, each output written once) over the median time, against the 3.72 TB/s
-elementwise ceiling measured on the H200 (PERF.md). The official CUDA kernel's times (PERF.md, fixed
+elementwise ceiling measured on the H200 (docs/performance.md §5). The official CUDA kernel's times (fixed
 numbers measured elsewhere) are printed beside. Performance is checked here, never in tests.
 """
 
@@ -35,7 +35,7 @@ from jmamba.ops.selective_scan.common import prepare_delta  # noqa: E402
 from pallas_kernels.selective_scan import DEFAULT_CONFIG, ScanBlockConfig, selective_scan_pallas  # noqa: E402
 
 CEILING_TBPS = 3.72
-# PERF.md: official CUDA selective_scan_fn on H200 (bf16, delta_softplus, z, D, delta_bias): (fwd, fwd+bwd) ms.
+# Earlier runs (docs/performance.md §3): official CUDA selective_scan_fn on H200 (bf16, delta_softplus, z, D, delta_bias): (fwd, fwd+bwd) ms.
 OFFICIAL_MS = {(8, 2048): (0.478, 2.285), (32, 256): (0.252, 1.521), (2, 8192): (0.564, 2.515)}
 SHAPES = {"b8t2048": (8, 2048, 1536, 16), "b32t256": (32, 256, 1536, 16), "b2t8192": (2, 8192, 1536, 16)}
 TINY_SHAPE = (2, 64, 32, 16)
@@ -67,7 +67,7 @@ def make_args(shape, dtype=jnp.bfloat16, seed=0):
 
 
 def associative_scan_baseline(u, delta, A, B, C, D, z, delta_bias):
-    """`lax.associative_scan` over (exp(δA), δBu) on the whole [Bt, T, d, n] expansion (PERF.md's baseline)."""
+    """`lax.associative_scan` over (exp(δA), δBu) on the whole [Bt, T, d, n] expansion (the baseline of docs/performance.md §3)."""
     dl = prepare_delta(delta, delta_bias, True)
     a = jnp.exp(dl[..., None] * A)
     beta = (dl * u.astype(jnp.float32))[..., None] * B.astype(jnp.float32)[:, :, None, :]
@@ -151,6 +151,8 @@ def stage_breakdown(shape, config, iters, interpret):
 
 
 def main(argv=None):
+    """Runs the benchmark (argv as on the command line) and returns its records: one dict per timed
+    row (kind "sweep", "breakdown" or "table"), each with `seconds`, {what: median seconds}."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="one tiny shape, Pallas in interpret mode (CPU smoke run)")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
@@ -211,7 +213,8 @@ def main(argv=None):
                 scores.setdefault(cfg, 0.0)
                 scores[cfg] += r["fwd_bwd"][0]
                 records.append(dict(kind="sweep", shape=key, impl="pallas", config=r["config"],
-                                    fwd=r["fwd"], fwd_bwd=r["fwd_bwd"]))
+                                    fwd=r["fwd"], fwd_bwd=r["fwd_bwd"],
+                                    seconds={"fwd": r["fwd"][0], "fwd+bwd": r["fwd_bwd"][0]}))
                 print(f"| {key} | {_short(cfg)} | {fmt_time(r['fwd'])} | {fmt_time(r['fwd_bwd'])} |", flush=True)
         if scores:
             best_config = min(scores, key=scores.get)
@@ -225,7 +228,7 @@ def main(argv=None):
               "| stage | ms (min–max) | share |\n|---|---|---|")
         for name, t in stages:
             print(f"| {name} | {fmt_time(t)} | {100 * t[0] / total:.0f}% |", flush=True)
-            records.append(dict(kind="breakdown", shape=key, stage=name, time=t))
+            records.append(dict(kind="breakdown", shape=key, stage=name, time=t, seconds={"stage": t[0]}))
         print(f"| sum | {total * 1e3:.3f} | |")
 
     print("\n## Selective scan, bf16 inputs, f32 state (median of %d, min–max)\n" % iters)
@@ -259,12 +262,14 @@ def main(argv=None):
                   f"({100 * ab / r['fwd_bwd'][0] / 1e12 / CEILING_TBPS:.0f}%) | {speed} | "
                   f"{'' if official is None else f'{official[0]} / {official[1]}'} | {err} |", flush=True)
             records.append(dict(kind="table", shape=key, impl=name, config=r["config"], fwd=r["fwd"],
-                                fwd_bwd=r["fwd_bwd"], bytes=(fb, ab)))
+                                fwd_bwd=r["fwd_bwd"], bytes=(fb, ab),
+                                seconds={"fwd": r["fwd"][0], "fwd+bwd": r["fwd_bwd"][0]}))
     print("\n'pallas speed-up' = that row's time / pallas time (fwd / fwd+bwd); pallas config: "
           f"{_short(best_config)}")
     if a.json:
         Path(a.json).write_text(json.dumps(dict(jax=jax.__version__, device=device.device_kind,
                                                 records=records), indent=1, default=str))
+    return records
 
 
 def _short(cfg):

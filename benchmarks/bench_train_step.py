@@ -8,7 +8,7 @@ One jitted step (forward, cross entropy over the vocabulary, backward, global-no
 call, the recurrent state carried; the scan implementation is switched with
 `jmamba.ops.dispatch.prefer` (the model is the same object). Reports the median ms/step of
 `--steps` timed steps after `--warmup` (compile) steps, tokens/s, model TFLOP/s by 6·N·tokens (N =
-parameters), and the peak device memory. The PyTorch anchors of PERF.md are printed beside.
+parameters), and the peak device memory. The PyTorch anchors of earlier runs (docs/performance.md §5) are printed beside.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from flax import nnx
 import jmamba
 from jmamba.ops import dispatch
 
-PYTORCH_ANCHOR = {"mamba1": (137.1, 119.5e3), "mamba3": (114.8, 142.8e3)}   # ms/step, tokens/s (PERF.md)
+PYTORCH_ANCHOR = {"mamba1": (137.1, 119.5e3), "mamba3": (114.8, 142.8e3)}   # ms/step, tokens/s (earlier runs)
 OP = {"mamba1": "selective_scan", "mamba3": "mamba3_siso_scan"}
 
 
@@ -60,8 +60,13 @@ def build(args):
         cfg = jmamba.Mamba1Config(d_model=args.d_model, n_layers=args.n_layers)
     else:
         cfg = jmamba.Mamba3Config(d_model=args.d_model, n_layers=args.n_layers,
-                                  **({"d_state": 16, "headdim": 16, "chunk_size": 16} if args.tiny else {}))
+                                  **({"d_state": 16, "headdim": 16} if args.tiny else {}))
     return jmamba.MambaLM(cfg, args.vocab, rngs=nnx.Rngs(0))
+
+
+def scan_tuning(args):
+    """The Mamba-3 scan's chunk (a tuning knob of the op; the official 64, 16 for the tiny run)."""
+    return jmamba.ops.tuning("mamba3_siso_scan", chunk_size=16 if args.tiny else 64)
 
 
 def make_optimizer(args):
@@ -83,7 +88,7 @@ def bench_one(args, lm, impl):
     if args.devices > 1:
         from jmamba.parallel import make_data_mesh
         mesh = make_data_mesh(jax.devices()[:args.devices])
-    with dispatch.prefer(OP[args.arch], impl):
+    with dispatch.prefer(OP[args.arch], impl), scan_tuning(args):
         state = jmamba.TrainState.create(lm, opt, bsz, precision=args.precision)
         step = jmamba.make_train_step(lm, opt, loss_fn=loss_fn, precision=args.precision, clip_max_norm=1.0,
                                       mesh=mesh)
@@ -103,10 +108,13 @@ def bench_one(args, lm, impl):
             times.append(time.perf_counter() - t)
     stats = jax.devices()[0].memory_stats() or {}   # device 0 (each device holds the same share)
     return {"impl": impl, "ms": 1e3 * statistics.median(times), "min": 1e3 * min(times), "max": 1e3 * max(times),
-            "compile_s": compile_s, "loss": float(m["loss"]), "peak_gib": stats.get("peak_bytes_in_use", 0) / 2 ** 30}
+            "compile_s": compile_s, "loss": float(m["loss"]), "peak_gib": stats.get("peak_bytes_in_use", 0) / 2 ** 30,
+            "seconds": {"step": statistics.median(times), "compile": compile_s}}
 
 
 def main(argv=None):
+    """Runs the benchmark (argv as on the command line); returns one row per implementation that ran,
+    each with `seconds` ({"step": median, "compile": warm-up}) and the loss after the last step."""
     args = parse_args(argv)
     lm = build(args)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(lm, nnx.Param)))
@@ -128,7 +136,7 @@ def main(argv=None):
         tflops = 6 * n_params * tokens / (r["ms"] / 1e3) / 1e12
         print(f"| {r['impl']} | {r['ms']:.1f} ({r['min']:.1f}-{r['max']:.1f}) | {tok_s:,.0f} | "
               f"{tok_s / ref_tok:.2f}x | {tflops:.0f} | {r['peak_gib']:.1f} | {r['compile_s']:.0f} | {r['loss']:.3f} |")
-    print(f"| PyTorch + official kernels (PERF.md anchor) | {ref_ms} | {ref_tok:,.0f} | 1.00x | | | | |")
+    print(f"| PyTorch + official kernels (earlier-run anchor) | {ref_ms} | {ref_tok:,.0f} | 1.00x | | | | |")
     return rows
 
 

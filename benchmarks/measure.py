@@ -1,4 +1,4 @@
-"""Timing and error helpers shared by the benchmark scripts (PERF.md's method: warm-up runs, then the
+"""Timing and error helpers shared by the benchmark scripts (docs/performance.md §2: warm-up runs, then the
 median and min–max of timed runs, each bracketed by `jax.block_until_ready`)."""
 
 from __future__ import annotations

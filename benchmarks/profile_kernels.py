@@ -18,6 +18,7 @@ import collections
 import glob
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -30,12 +31,15 @@ from benchmarks import bench_mamba3_scan as m3  # noqa: E402
 
 
 def kernel_times(fn, args, iters):
-    """{kernel name: (total ns, count)} over `iters` calls of fn(*args) (already compiled and warm)."""
+    """({kernel name: (total ns, count)}, wall seconds) over `iters` calls of fn(*args) (compiled and
+    warmed up first)."""
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
+            t0 = time.perf_counter()
             for _ in range(iters):
                 jax.block_until_ready(fn(*args))
+            wall = time.perf_counter() - t0
         path = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]
         data = jax.profiler.ProfileData.from_file(path)
     totals = collections.defaultdict(lambda: [0, 0])
@@ -48,7 +52,7 @@ def kernel_times(fn, args, iters):
             for ev in line.events:
                 totals[ev.name][0] += ev.duration_ns
                 totals[ev.name][1] += 1
-    return totals
+    return totals, wall
 
 
 def report(totals, iters, top=30):
@@ -60,7 +64,11 @@ def report(totals, iters, top=30):
 
 
 def main(argv=None):
-    """Profiles the op (see the module docstring); argv as on the command line."""
+    """Profiles the op (see the module docstring); argv as on the command line.
+
+    Returns rows: {"kernel": name, "launches": per call, "seconds": {"per call": device seconds}} per
+    kernel (none off the GPU: no device events there), then {"kernel": "wall", "seconds": {"per call":
+    wall-clock seconds per call, profiling included}}."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", nargs="?", default="mamba3", choices=["mamba3"])
     p.add_argument("--shape", default="b8t2048", choices=list(m3.SHAPES))
@@ -73,7 +81,7 @@ def main(argv=None):
     else:
         (bsz, T), dims, chunk = m3.SHAPES[a.shape], m3.DIMS, 64
     args = m3.make_args(bsz, T, dims)
-    fn = m3.op_function("pallas", chunk, m3.DEFAULT_CONFIG, jax.default_backend() != "gpu")
+    fn = m3.op_function("pallas", chunk, m3.DEFAULT_CONFIG)
     if a.forward:
         f, fargs = jax.jit(fn), (args,)
     else:
@@ -81,7 +89,12 @@ def main(argv=None):
         f, fargs = jax.jit(m3.forward_and_backward(fn)), (args, d_out)
     print(f"# {a.what} {'forward' if a.forward else 'forward+backward'} at {a.shape}, {a.iters} calls, "
           f"{jax.devices()[0].device_kind}\n")
-    report(kernel_times(f, fargs, a.iters), a.iters)
+    totals, wall = kernel_times(f, fargs, a.iters)
+    report(totals, a.iters)
+    rows = [{"kernel": name, "launches": n / a.iters, "seconds": {"per call": t / a.iters / 1e9}}
+            for name, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])]
+    print(f"wall time per call (profiled): {wall / a.iters * 1e3:.3f} ms")
+    return rows + [{"kernel": "wall", "launches": None, "seconds": {"per call": wall / a.iters}}]
 
 
 if __name__ == "__main__":

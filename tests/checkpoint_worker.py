@@ -17,26 +17,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 import jmamba
+from builders import TINY, TINY_CHUNK, d_out_batch, tiny_backbone
 from jmamba.io.checkpoint import restore_checkpoint, save_checkpoint
 
 PRECISIONS = ("f32", "bf16")
+# several Mamba-3 scan chunks per window of 6
+jmamba.ops.set_default_tuning("mamba3_siso_scan", jmamba.ops.Mamba3ScanTuning(chunk_size=TINY_CHUNK))
 
 
 def build(arch):
-    if arch == "mamba1":
-        cfg = jmamba.Mamba1Config(d_model=16, n_layers=2, d_state=4, input_dim=3)
-        return cfg, jmamba.Mamba1Backbone(cfg, rngs=nnx.Rngs(0))
-    cfg = jmamba.Mamba3Config(d_model=16, n_layers=2, d_state=8, headdim=8, input_dim=3, chunk_size=4)
-    return cfg, jmamba.Mamba3Backbone(cfg, rngs=nnx.Rngs(0))
+    return TINY[arch], tiny_backbone(arch)
 
 
 def batch(i):
-    r = np.random.default_rng(1000 + i)
-    return {"inputs": jnp.asarray(r.normal(size=(2, 6, 3)), jnp.float32),
-            "d_out": jnp.asarray(r.normal(size=(2, 6, 16)), jnp.float32)}
+    return d_out_batch(1000 + i, bsz=2, T=6)
 
 
 def setup(arch, precision):

@@ -7,9 +7,39 @@ import pytest
 # numpy references and helpers live beside the tests.
 sys.path.insert(0, os.path.dirname(__file__))
 
+# The slowest test files, slowest first (seconds on 2 CPU cores, from `--durations=0`). Under
+# `pytest -n auto --dist loadfile` (`make test`) they are handed out first, so no long file starts
+# last and leaves the other workers idle (xdist's own order is by the number of tests in a file,
+# which puts the few-test subprocess files, the slowest of all, at the end).
+SLOW_FILES_FIRST = (
+    "test_mamba3_scan_pallas.py",   # ~200 s: the Pallas interpreter
+    "test_data_parallel.py",        # ~190 s: one subprocess with 4 simulated devices
+    "test_training_system.py",      # ~120 s
+    "test_checkpoint.py",           # ~85 s: subprocesses
+    "test_lm_generate.py",          # ~55 s: the main job
+    "test_mamba1_backbone.py",
+    "test_benchmarks_smoke.py",
+    "test_examples.py",
+    "test_mamba3_backbone.py",
+    "test_selective_scan_pallas.py",
+    "test_selective_scan.py",       # ~30 s
+)
+
+
+def pytest_configure(config):
+    # The tests use the current API: a DeprecationWarning raised for a call in a test module or a
+    # shared test helper is an error. Tests of the old spellings catch theirs with pytest.warns.
+    for module in ("test_", "builders", "helpers"):
+        config.addinivalue_line("filterwarnings", f"error::DeprecationWarning:{module}")
+    if hasattr(config.option, "loadscopereorder"):   # pytest-xdist: keep the order set below
+        config.option.loadscopereorder = False
+
 
 def pytest_collection_modifyitems(config, items):
-    """`@pytest.mark.gpu` tests need a CUDA GPU: they are skipped (and reported as skipped) elsewhere."""
+    """Slow files first (see SLOW_FILES_FIRST); `@pytest.mark.gpu` tests need a CUDA GPU: they are
+    skipped (and reported as skipped) elsewhere."""
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))   # stable
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `python3 -m pytest -m gpu tests` on the H200)")

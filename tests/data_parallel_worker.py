@@ -20,26 +20,23 @@ jax.config.update("jax_num_cpu_devices", 4)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from flax import nnx  # noqa: E402
 
 import jmamba  # noqa: E402
+from builders import TINY_CHUNK, d_out_batch, gradient_capture, tiny_backbone  # noqa: E402
 from jmamba.io.checkpoint import restore_checkpoint, save_checkpoint  # noqa: E402
 from jmamba.ops import dispatch  # noqa: E402
 from jmamba.parallel import make_data_mesh, shard_state  # noqa: E402
 
+# several Mamba-3 scan chunks per window of 6
+jmamba.ops.set_default_tuning("mamba3_siso_scan", jmamba.ops.Mamba3ScanTuning(chunk_size=TINY_CHUNK))
+
 
 def model_for(arch):
-    if arch == "mamba1":
-        cfg = jmamba.Mamba1Config(d_model=16, n_layers=2, d_state=4, input_dim=3)
-        return jmamba.Mamba1Backbone(cfg, rngs=nnx.Rngs(0))
-    cfg = jmamba.Mamba3Config(d_model=16, n_layers=2, d_state=8, headdim=8, input_dim=3, chunk_size=4)
-    return jmamba.Mamba3Backbone(cfg, rngs=nnx.Rngs(0))
+    return tiny_backbone(arch)
 
 
 def batch(i, bsz=8, T=6):
-    r = np.random.default_rng(100 + i)
-    return {"inputs": jnp.asarray(r.normal(size=(bsz, T, 3)), jnp.float32),
-            "d_out": jnp.asarray(r.normal(size=(bsz, T, 16)), jnp.float32)}
+    return d_out_batch(100 + i, bsz, T)
 
 
 def max_rel(a_tree, b_tree):
@@ -51,8 +48,7 @@ def max_rel(a_tree, b_tree):
 
 
 # An "optimizer" whose state is the (clipped) gradient it received: compares gradients exactly.
-CAPTURE = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p),
-                                       lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), g))
+CAPTURE = gradient_capture()
 
 
 def run_fused(arch, mesh, fsdp, precision="f32", steps=3, poison=(), opt=None):
@@ -127,8 +123,7 @@ def case_checkpoint():
 
 
 def case_pallas():
-    if "pallas" not in dispatch._REGISTRY.get("selective_scan", {}):
-        return {"skipped": "no pallas selective_scan registered"}
+    """The Pallas selective scan (interpreted on CPU) inside the sharded step: one kernel per device."""
     with dispatch.prefer("selective_scan", "pallas"):
         mesh = make_data_mesh()
         single, _ = run_fused("mamba1", None, False, steps=1, opt=CAPTURE)

@@ -1,4 +1,4 @@
-"""Independent float64 numpy implementation of Mamba-1, written from spec/mamba1.md (no JAX).
+"""Independent float64 numpy implementation of Mamba-1, written from docs/mamba1.md (no JAX).
 
 * `scan_forward` / `scan_backward`: the selective scan of §3.4 and its hand-written adjoint of §5.2
   (with groups, D, z, delta_bias, softplus threshold 20, initial state, final-state cotangent, and

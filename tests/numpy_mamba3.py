@@ -1,4 +1,4 @@
-"""Independent float64 numpy implementation of Mamba-3 SISO, written from spec/mamba3_siso.md (no JAX).
+"""Independent float64 numpy implementation of Mamba-3 SISO, written from docs/mamba3_siso.md (no JAX).
 
 * `scan_forward` / `scan_backward`: the sequential recurrence of §6.1 (all heads, groups, D, Z,
   the four initial states, the jmamba reset mask) and its hand-written adjoint (backprop through

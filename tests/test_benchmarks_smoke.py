@@ -1,13 +1,28 @@
-"""Every benchmark script runs at tiny shapes on the CPU (`--tiny`), so none of them can rot."""
+"""Every benchmark script runs at tiny shapes on the CPU (`--tiny`), so none of them can rot: its
+`main(["--tiny"])` returns rows, and every variant the script compares produced finite positive times."""
 
 import glob
 import importlib.util
+import math
 import os
 
 import pytest
 
-SCRIPTS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_*.py"))
-                 + glob.glob(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "profile_*.py")))
+HERE = os.path.dirname(__file__)
+SCRIPTS = sorted(glob.glob(os.path.join(HERE, "..", "benchmarks", "bench_*.py"))
+                 + glob.glob(os.path.join(HERE, "..", "benchmarks", "profile_*.py")))
+# what each script's tiny run must have timed: {row key: values that must all appear}
+EXPECTED = {
+    "bench_fused_adamw.py": ("variant", {"optax.adamw", "fused xla"}),
+    "bench_mamba3_scan.py": ("impl", {"pallas", "xla", "reference"}),
+    "bench_selective_scan.py": ("impl", {"pallas", "xla", "assoc", "reference"}),
+    "bench_train_step.py": ("impl", {"xla"}),
+    "profile_kernels.py": ("kernel", {"wall"}),     # no device events off the GPU
+}
+
+
+def test_every_script_is_covered():
+    assert sorted(os.path.basename(p) for p in SCRIPTS) == sorted(EXPECTED)
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=os.path.basename)
@@ -15,4 +30,12 @@ def test_benchmark_runs_tiny(path):
     spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    mod.main(["--tiny"])
+    rows = mod.main(["--tiny"])
+    assert isinstance(rows, list) and rows, "main(['--tiny']) must return the rows it measured"
+    key, want = EXPECTED[os.path.basename(path)]
+    names = {str(r[key]).split(" (")[0] for r in rows}
+    assert want <= names, f"missing rows: {sorted(want - names)} (got {sorted(names)})"
+    for r in rows:
+        assert r["seconds"], r
+        for what, t in r["seconds"].items():
+            assert isinstance(t, float) and math.isfinite(t) and t > 0, f"{r[key]} {what}: {t!r}"

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from flax import nnx, struct
 
 import jmamba
+from builders import TINY_MAMBA1 as CFG
+from builders import TINY_MAMBA3, tiny_backbone
 from jmamba import Mamba1Backbone, Mamba1Config, TrainState, restore_checkpoint, save_checkpoint
 from jmamba.io.checkpoint import checkpoint_info, latest_step
 
 WORKER = os.path.join(os.path.dirname(__file__), "checkpoint_worker.py")
-CFG = Mamba1Config(d_model=16, n_layers=2, d_state=4, input_dim=3)
 
 
 def worker(*args):
@@ -90,10 +93,44 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     assert latest_step(tmp_path) == 2
 
 
+class OldTrainState(struct.PyTreeNode):
+    """The TrainState layout before `updates` existed (same fields, same order, no `updates`)."""
+
+    params: Any
+    opt_state: Any
+    recurrent_state: Any
+    step: jax.Array
+    loss_scale: Any = None
+    grad_accum: Any = None
+    accumulating: bool = struct.field(pytree_node=False, default=False)
+    pending_forward: Any = struct.field(pytree_node=False, default=None)
+
+
+def test_a_checkpoint_of_the_old_layout_restores(tmp_path):
+    """Written before the redesign: no `.updates` leaf (filled from `.step`) and a Mamba-3 config that
+    still holds `chunk_size` (ignored). The old checkpoint is made by saving the old TrainState
+    layout and adding chunk_size to the stored config, as the old writer stored it."""
+    model = tiny_backbone("mamba3")
+    opt = optax.adamw(1e-2)
+    new = TrainState.create(model, opt, 2)
+    new = new.replace(params=jax.tree.map(lambda a: a + 0.25, new.params), step=jnp.asarray(5, jnp.int32))
+    old = OldTrainState(params=new.params, opt_state=new.opt_state, recurrent_state=new.recurrent_state, step=new.step)
+    save_checkpoint(tmp_path, old, config=TINY_MAMBA3)
+    meta_path = os.path.join(tmp_path, "5", "meta", "metadata")
+    meta = json.load(open(meta_path))
+    assert ".updates" not in meta["leaves"] and ".step" in meta["leaves"]
+    meta["config"]["chunk_size"] = 64
+    json.dump(meta, open(meta_path, "w"))
+
+    restored = restore_checkpoint(tmp_path, TrainState.create(model, opt, 2), config=TINY_MAMBA3)
+    assert int(restored.step) == 5 and int(restored.updates) == 5 and restored.updates.dtype == jnp.int32
+    for a, b in zip(jax.tree.leaves((restored.params, restored.opt_state)), jax.tree.leaves((new.params, new.opt_state))):
+        np.testing.assert_array_equal(a, b)
+    assert checkpoint_info(tmp_path)["config"] == TINY_MAMBA3
+
+
 @pytest.mark.parametrize("arch", ["mamba1", "mamba3"])
 def test_resume_in_a_fresh_process_is_bit_continuous(tmp_path, arch):
-    if arch == "mamba3" and not hasattr(jmamba, "Mamba3Backbone"):
-        pytest.skip("Mamba-3 backbone not available")
     res = worker("train", tmp_path, arch, 3, 2)
     assert res.returncode == 0, res.stderr[-3000:]
     res = worker("resume", tmp_path, arch, 3, 2)

@@ -19,8 +19,10 @@ from jax.experimental.pallas import triton as plt
 
 from helpers import assert_close, rel_err
 from jmamba import Mamba1Backbone, Mamba1Config, TrainState, make_train_step
+from jmamba import ops
+from jmamba.ops import bias_correction, step_scalars
+from jmamba.ops.adamw.reference import adamw_leaf_update
 from jmamba.optim import FusedAdamWState, KernelConfig, fused_adamw, no_decay_mask
-from jmamba.optim.adamw_numerics import bias_correction
 from pallas_kernels.fused_adamw import AdamWStepScalars, fused_adamw_leaves
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -143,7 +145,7 @@ _OPTS = {}
 def masked_opt(params, implementation):
     """The masked fused_adamw of the 100-step test (shared with the determinism test)."""
     if implementation not in _OPTS:
-        _OPTS[implementation] = fused_adamw(LR, weight_decay=WD, mask=no_decay_mask(params, "mamba1"),
+        _OPTS[implementation] = fused_adamw(LR, weight_decay=WD, mask=no_decay_mask(params),
                                             implementation=implementation, kernel_config=SMALL)
     return _OPTS[implementation]
 
@@ -152,7 +154,7 @@ def masked_opt(params, implementation):
                                                    ("optax_route", True)])
 def test_matches_optax_adamw_and_float64_over_100_steps(params, implementation, masked):
     grads = grad_sequence(params, 100)
-    mask = no_decay_mask(params, "mamba1") if masked else None
+    mask = no_decay_mask(params) if masked else None
     ref_p, ref_s = run_optax(optax.adamw(LR, weight_decay=WD, mask=mask), params, grads)
     if implementation == "optax_route":
         got_p, got_s = run_optax(fused_adamw(LR, weight_decay=WD, mask=mask), params, grads)
@@ -191,8 +193,6 @@ def test_pallas_kernel_matches_pure_jax_path():
     vs = [jnp.asarray(r.random(size=s) * 0.01, jnp.float32) for s in shapes]
     gs = [jnp.asarray(r.normal(size=s), jnp.bfloat16) for s in shapes]   # low-precision grads too
     decay = [True, False, True, True, False, True, True]
-    from jmamba.optim.adamw_numerics import adamw_leaf_update, step_scalars
-
     def scalars(skip):
         return step_scalars(learning_rate=jnp.float32(3e-3), b1=0.9, b2=0.95, eps=1e-6,
                             weight_decay=0.1, step=jnp.int32(7), grad_scale=jnp.float32(0.5),
@@ -221,6 +221,40 @@ def test_pallas_kernel_matches_pure_jax_path():
                 assert not np.array_equal(np.asarray(kp[k]), np.asarray(ps[k]))
 
 
+def test_adamw_update_op_implementations_agree_and_check_their_arguments():
+    """`jmamba.ops.adamw_update` (the op under fused_adamw): "reference", "xla" and "pallas" give the
+    per-leaf update of `adamw_leaf_update`; a compute copy is the rounded new parameter."""
+    r = np.random.default_rng(11)
+    shapes = [(5, 3), (7,), ()]
+    ps = [jnp.asarray(r.normal(size=s), jnp.float32) for s in shapes]
+    gs = [jnp.asarray(r.normal(size=s), jnp.float32) for s in shapes]
+    ms = [jnp.asarray(r.normal(size=s) * 0.1, jnp.float32) for s in shapes]
+    vs = [jnp.asarray(r.random(size=s) * 0.01, jnp.float32) for s in shapes]
+    decay = [True, False, True]
+    s = step_scalars(learning_rate=jnp.float32(1e-2), b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1,
+                     step=jnp.int32(3), grad_scale=jnp.float32(0.25))
+    want = [adamw_leaf_update(*leaf, s, decay=d) for *leaf, d in zip(ps, gs, ms, vs, decay)]
+    tuning = ops.AdamWTuning(pallas_config=KernelConfig(block_size=64, max_leaves_per_call=2))
+    for impl in ("reference", "xla", "pallas"):
+        new_p, new_m, new_v, copies = jax.jit(lambda ps, gs, ms, vs, s: ops.adamw_update(
+            ps, gs, ms, vs, s, decay, implementation=impl, tuning=tuning))(ps, gs, ms, vs, s)
+        assert copies is None
+        for k, (wp, wm, wv) in enumerate(want):
+            for name, got, w in (("p", new_p[k], wp), ("m", new_m[k], wm), ("v", new_v[k], wv)):
+                assert_close(f"{impl} {name}[{k}]", got, w, 1e-6)
+    _, _, _, copies = ops.adamw_update(ps, gs, ms, vs, s, decay, compute_dtype=jnp.bfloat16, implementation="xla")
+    for c, (wp, _, _) in zip(copies, want):
+        np.testing.assert_array_equal(np.asarray(c, np.float32), np.asarray(wp.astype(jnp.bfloat16), np.float32))
+    with pytest.raises(ValueError, match="grads must have one entry per parameter leaf"):
+        ops.adamw_update(ps, gs[:2], ms, vs, s, decay)
+    with pytest.raises(ValueError, match="compute_dtype"):
+        ops.adamw_update(ps, gs, ms, vs, s, decay, compute_dtype=jnp.float64)
+    with pytest.raises(ValueError, match="implementation must be"):
+        ops.adamw_update(ps, gs, ms, vs, s, decay, implementation="cuda")
+    with pytest.raises(TypeError, match="KernelConfig"):
+        ops.AdamWTuning(pallas_config={"block_size": 64})
+
+
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
 def test_deterministic(params, implementation):
     grads = grad_sequence(params, 3, seed=4)
@@ -233,7 +267,7 @@ def test_deterministic(params, implementation):
 
 # ------------------------------------------------------------------------- masks and decay math
 def test_masked_leaf_differs_from_decayed_run_by_lr_wd_w0(params):
-    mask = no_decay_mask(params, "mamba1")
+    mask = no_decay_mask(params)
     g = grad_sequence(params, 1, seed=5)
     decayed, _ = run_apply(fused_adamw(LR, weight_decay=WD), params, g)
     masked, _ = run_apply(fused_adamw(LR, weight_decay=WD, mask=mask), params, g)
@@ -343,7 +377,7 @@ def _lower_for_h200(fn, *args, donate):
 
 def test_kernel_lowers_for_h200_in_place_without_concatenation(params):
     n_leaves = len(jax.tree.leaves(params))
-    opt = fused_adamw(LR, weight_decay=WD, mask=no_decay_mask(params, "mamba1"),
+    opt = fused_adamw(LR, weight_decay=WD, mask=no_decay_mask(params),
                       implementation="pallas", compute_dtype=jnp.bfloat16,
                       kernel_config=KernelConfig(max_leaves_per_call=10, interpret=False))
 
@@ -405,7 +439,7 @@ def test_pure_jax_path_compiles_without_copies_or_concatenates(params):
 def test_works_in_make_train_step():
     cfg = Mamba1Config(d_model=8, n_layers=1, d_state=2, input_dim=3)
     model = Mamba1Backbone(cfg, rngs=nnx.Rngs(0))
-    opt = fused_adamw(1e-2, weight_decay=WD, mask=lambda p: no_decay_mask(p, "mamba1"))
+    opt = fused_adamw(1e-2, weight_decay=WD, mask=no_decay_mask)
     state = TrainState.create(model, opt, batch_size=2)
     assert isinstance(state.opt_state, FusedAdamWState)
     step = make_train_step(model, opt, loss_fn=lambda y, b: jnp.mean(y ** 2))

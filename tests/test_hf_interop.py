@@ -35,7 +35,7 @@ def test_logits_and_greedy_tokens_match_transformers(case):
 
 
 def released_config(d_model, n_layer):
-    """config.json of the state-spaces/mamba-*-hf releases (spec/mamba1.md §6.2, §6.7)."""
+    """config.json of the state-spaces/mamba-*-hf releases (docs/mamba1.md §6.2, §6.7)."""
     return {"architectures": ["MambaForCausalLM"], "model_type": "mamba", "hidden_size": d_model,
             "num_hidden_layers": n_layer, "intermediate_size": 2 * d_model, "state_size": 16, "conv_kernel": 4,
             "expand": 2, "time_step_rank": -(-d_model // 16), "layer_norm_epsilon": 1e-5, "vocab_size": 50280,

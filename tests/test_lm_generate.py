@@ -32,7 +32,7 @@ def test_lm_logits_match_numpy(tie):
     assert ("lm_head" in p) == (not tie)
 
 
-CFG3 = Mamba3Config(d_model=16, n_layers=2, d_state=8, headdim=8, chunk_size=4)
+CFG3 = Mamba3Config(d_model=16, n_layers=2, d_state=8, headdim=8)
 
 
 @pytest.mark.parametrize("cfg", [CFG, CFG3], ids=["mamba1", "mamba3"])

@@ -176,7 +176,7 @@ def test_float64_finite_differences_of_every_parameter_input_and_state():
         proj = jnp.asarray(np.random.default_rng(2).normal(size=(2, 5, 8)))
 
         def loss(params, x, state):
-            y, new = nnx.merge(graphdef, params)(x, state, compute_dtype=jnp.float64, truncate_bptt=False)
+            y, new = nnx.merge(graphdef, params)(x, state, precision="f64", truncate_bptt=False)
             return jnp.sum(y * proj) + 0.3 * sum(jnp.sum(jnp.sin(s)) for s in jax.tree.leaves(new))
 
         checked = assert_directional_gradients(loss, (params, x, state), np.random.default_rng(4))
@@ -187,7 +187,7 @@ def test_bf16_compute_close_to_f32():
     model = perturbed(CFG)
     x = inputs(CFG, 2, 16)
     y32, _ = run(model, x)
-    y16, s16 = run(model, x, compute_dtype=jnp.bfloat16)
+    y16, s16 = run(model, x, precision="bf16")
     assert y16.dtype == jnp.float32 and s16[0].ssm.dtype == jnp.float32
     assert_close("bf16 vs f32", y16, y32, 5e-2)
 

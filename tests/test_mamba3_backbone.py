@@ -1,5 +1,8 @@
 """Mamba3Backbone vs the independent numpy model (both output modes, groups, carried state, resets),
-float64 finite differences, window carry, prefill + decode, BPTT modes, bf16, training, bad input."""
+float64 finite differences, window carry, prefill + decode, BPTT modes, bf16, training, bad input.
+
+Every test runs the scans with chunks of 4 (a `jmamba.ops.tuning` block around the module), so the
+windows here span several chunks."""
 
 from __future__ import annotations
 
@@ -14,16 +17,23 @@ import pytest
 from flax import nnx
 
 import numpy_mamba3 as npm
+from builders import TINY_CHUNK, delayed_copy_batch, mse_first_feature
 from helpers import assert_close, assert_directional_gradients
 from helpers import perturbed as perturb
-from jmamba import Mamba3Backbone, Mamba3Config, TrainState, make_train_step
+from jmamba import Mamba3Backbone, Mamba3Config, TrainState, make_train_step, ops
 
 # G = 2 groups of 2 heads, rope_fraction 0.5 (S = 2 of N/2 = 4 pairs), y·silu(z) gate, input_proj
-CFG = Mamba3Config(d_model=8, n_layers=2, d_state=8, expand=2, headdim=4, ngroups=2, input_dim=5, chunk_size=4)
+CFG = Mamba3Config(d_model=8, n_layers=2, d_state=8, expand=2, headdim=4, ngroups=2, input_dim=5)
 # gated RMSNorm output, rope_fraction 1.0 (all N dims rotate), identity input
 CFG_NORM = Mamba3Config(d_model=8, n_layers=2, d_state=6, expand=2, headdim=4, rope_fraction=1.0,
-                        is_outproj_norm=True, chunk_size=4)
+                        is_outproj_norm=True)
 CONFIGS = {"gate-groups-input_proj": CFG, "outproj_norm-fullrope": CFG_NORM}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def short_chunks():
+    with ops.tuning("mamba3_siso_scan", chunk_size=TINY_CHUNK):
+        yield
 
 
 def perturbed(cfg, seed=0):
@@ -163,7 +173,7 @@ def test_float64_finite_differences_of_every_parameter_input_and_state():
     """Directional central differences (h=1e-6, float64) vs jax.grad for every tensor: parameters
     (both B/C biases, norms, gated norm), the input and all four states of both layers, with a reset."""
     cfg = Mamba3Config(d_model=4, n_layers=2, d_state=4, expand=2, headdim=2, ngroups=2, input_dim=3,
-                       is_outproj_norm=True, chunk_size=2)
+                       is_outproj_norm=True)
     model = perturbed(cfg, seed=3)
     with jax.enable_x64(True):
         graphdef, params = nnx.split(model)
@@ -175,7 +185,7 @@ def test_float64_finite_differences_of_every_parameter_input_and_state():
         proj = jnp.asarray(rng.normal(size=(2, 5, 4)))
 
         def loss(params, x, state):
-            y, new = nnx.merge(graphdef, params)(x, state, reset=reset, compute_dtype=jnp.float64, truncate_bptt=False)
+            y, new = nnx.merge(graphdef, params)(x, state, reset=reset, precision="f64", truncate_bptt=False)
             return jnp.sum(y * proj) + 0.3 * sum(jnp.sum(jnp.sin(s)) for s in jax.tree.leaves(new))
 
         checked = assert_directional_gradients(loss, (params, x, state), rng)
@@ -186,26 +196,17 @@ def test_bf16_compute_close_to_f32():
     model = perturbed(CFG)
     x = inputs(CFG, 2, 12)
     y32, _ = run(model, x)
-    y16, s16 = nnx.jit(lambda m, x: m(x, compute_dtype=jnp.bfloat16))(model, x)
+    y16, s16 = nnx.jit(lambda m, x: m(x, precision="bf16"))(model, x)
     assert y16.dtype == jnp.float32 and all(a.dtype == jnp.float32 for a in jax.tree.leaves(s16))
     assert_close("bf16 vs f32", y16, y32, 5e-2)
 
 
-def delayed_copy_batch(rng, bsz=8, T=16, delay=2):
-    """Target: the first input feature `delay` steps ago (needs memory)."""
-    x = rng.normal(size=(bsz, T, 3)).astype(np.float32)
-    target = np.zeros((bsz, T), np.float32)
-    target[:, delay:] = x[:, :-delay, 0]
-    return {"inputs": jnp.asarray(x), "targets": jnp.asarray(target)}
-
-
 def test_train_step_trains_a_mamba3_backbone():
-    cfg = Mamba3Config(d_model=16, n_layers=2, d_state=8, expand=2, headdim=8, input_dim=3, chunk_size=8)
+    cfg = Mamba3Config(d_model=16, n_layers=2, d_state=8, expand=2, headdim=8, input_dim=3)
     model = Mamba3Backbone(cfg, rngs=nnx.Rngs(0))
     opt = optax.adam(1e-2)
     state = TrainState.create(model, opt, batch_size=8)
-    loss_fn = lambda y, b: jnp.mean((y[..., 0] - b["targets"]) ** 2)
-    step = jax.jit(chex.assert_max_traces(make_train_step(model, opt, loss_fn=loss_fn, jit=False), n=1))
+    step = jax.jit(chex.assert_max_traces(make_train_step(model, opt, loss_fn=mse_first_feature, jit=False), n=1))
     rng = np.random.default_rng(0)
     losses = []
     for _ in range(150):
@@ -223,7 +224,8 @@ def test_train_step_trains_a_mamba3_backbone():
     (lambda m: m(jnp.ones((2, 5, 5), jnp.int32)), TypeError, "x must be a floating"),
     (lambda m: m(jnp.ones((2, 5, 5)), m.init_state(3)), ValueError, r"state\[0\].angle must have shape"),
     (lambda m: m(jnp.ones((2, 5, 5)), m.init_state(2)[:1]), ValueError, "tuple of 2 per-layer states"),
-    (lambda m: m(jnp.ones((2, 5, 5)), tuple(tuple(s) for s in m.init_state(2))), TypeError, "Mamba3LayerState"),
+    (lambda m: m(jnp.ones((2, 5, 5)), tuple(tuple(s) for s in m.init_state(2))), TypeError,
+     r"state\[0\] must be a Mamba3ScanState"),
     (lambda m: m(jnp.ones((2, 5, 5)), tuple(s._replace(k=s.k[..., :3]) for s in m.init_state(2))),
      ValueError, r"state\[0\].k must have shape"),
     (lambda m: m(jnp.ones((2, 5, 5)), tuple(s._replace(ssm=s.ssm.astype(jnp.bfloat16)) for s in m.init_state(2))),
@@ -232,8 +234,8 @@ def test_train_step_trains_a_mamba3_backbone():
     (lambda m: m.step(jnp.ones((2, 5, 5)), m.init_state(2)), ValueError, r"x must have shape \[batch, 5\]"),
     (lambda m: m.layers[0].mixer(jnp.ones((2, 5, 7))), ValueError, r"x must have shape \[batch, seqlen, 8\] \(d_model\)"),
     (lambda m: m.layers[0].mixer(jnp.ones((2, 5, 8)), m.init_state(2)[0]._replace(v=jnp.ones((2, 3)))),
-     ValueError, "initial_states.v must have shape"),
-    (lambda m: m.layers[0].mixer.step(jnp.ones((2, 8)), {"ssm": 0}), ValueError, "state must be a tuple"),
+     ValueError, r"initial_state\.v must have shape"),
+    (lambda m: m.layers[0].mixer.step(jnp.ones((2, 8)), {"ssm": 0}), ValueError, "state must be a Mamba3ScanState"),
     (lambda m: m.layers[0].mixer.step(jnp.ones((2, 8)), m.init_state(3)[0]), ValueError, r"state.angle must have shape"),
     (lambda m: m.init_state(0), ValueError, "batch must be a positive int"),
 ])

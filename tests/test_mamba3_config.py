@@ -3,6 +3,7 @@ the parameter naming contract and the official init rules of Mamba3Mixer / Mamba
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
@@ -17,7 +18,8 @@ from jmamba.configs import config_from_json, config_to_json
 def test_official_defaults():
     cfg = Mamba3Config()
     assert (cfg.d_state, cfg.headdim, cfg.expand, cfg.ngroups, cfg.rope_fraction) == (128, 64, 2, 1, 0.5)
-    assert (cfg.A_floor, cfg.is_outproj_norm, cfg.chunk_size, cfg.norm_eps) == (1e-4, False, 64, 1e-5)
+    assert (cfg.A_floor, cfg.is_outproj_norm, cfg.norm_eps) == (1e-4, False, 1e-5)
+    assert cfg.chunk_size is None, "the chunk length is a tuning knob of the scan op, not model config"
     assert (cfg.dt_min, cfg.dt_max, cfg.dt_init_floor) == (1e-3, 0.1, 1e-4)
     assert cfg.input_dim is None and cfg.rescale_out_proj is True and cfg.arch == "mamba3"
     assert cfg.backbone_input_dim == cfg.d_model and Mamba3Config(input_dim=7).backbone_input_dim == 7
@@ -39,7 +41,7 @@ def test_derived_sizes(kwargs, sizes):
 @pytest.mark.parametrize("field,value", [
     ("d_model", 0), ("d_model", 2.5), ("d_model", True), ("n_layers", 0), ("d_state", 0), ("d_state", 7),
     ("expand", 0), ("headdim", 0), ("headdim", 5), ("ngroups", 0), ("ngroups", 5), ("ngroups", 3),
-    ("rope_fraction", 0.25), ("rope_fraction", True), ("chunk_size", 0), ("chunk_size", 16.0), ("input_dim", 0),
+    ("rope_fraction", 0.25), ("rope_fraction", True), ("input_dim", 0),
     ("norm_eps", 0.0), ("norm_eps", float("nan")), ("dt_min", -1e-3), ("dt_max", 0.0), ("dt_init_floor", -1.0),
     ("A_floor", -1e-4), ("A_floor", float("inf")), ("is_outproj_norm", 1), ("rescale_out_proj", "yes"),
 ])
@@ -47,6 +49,14 @@ def test_validate_names_the_bad_field(field, value):
     base = dict(d_model=16, d_state=8, headdim=8, expand=2)    # nheads = 4
     with pytest.raises(ValueError, match=field):
         Mamba3Config(**{**base, field: value}).validate()
+
+
+@pytest.mark.parametrize("value", [0, 16.0])
+def test_validate_names_a_bad_deprecated_chunk_size(value):
+    with pytest.warns(DeprecationWarning, match="chunk_size"):
+        cfg = Mamba3Config(d_model=16, d_state=8, headdim=8, chunk_size=value)
+    with pytest.raises(ValueError, match="chunk_size"):
+        cfg.validate()
 
 
 def test_cross_field_constraints():
@@ -66,8 +76,9 @@ def test_modules_refuse_an_invalid_config():
 
 def test_config_json_round_trip_and_lm():
     cfg = Mamba3Config(d_model=8, n_layers=2, d_state=8, headdim=4, ngroups=2, rope_fraction=1.0,
-                       is_outproj_norm=True, chunk_size=16)
+                       is_outproj_norm=True)
     assert config_from_json(config_to_json(cfg)) == cfg
+    assert "chunk_size" not in json.loads(config_to_json(cfg))
     lm = MambaLM(cfg, vocab_size=11, rngs=nnx.Rngs(0))
     assert isinstance(lm.backbone, Mamba3Backbone)
 

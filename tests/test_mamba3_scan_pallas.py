@@ -6,8 +6,8 @@ of the chunk, several chunks, groups, headdim and d_state not powers of two, S =
 with and without Z / D / initial states, float32 and bfloat16), plus a lowering of forward+backward
 for an abstract H200, so that an op the Triton lowering does not support fails here without a GPU.
 Interpret-mode compiles dominate the run time (~10 s each), so each case is one jitted forward+VJP.
-GPU (`-m gpu`, H200): the full matrix including the PERF.md shape, determinism, vmap, fallback. Run
-them without pytest-xdist's `-n` (or with few workers): the reference's VJP at the PERF.md shape keeps
+GPU (`-m gpu`, H200): the full matrix including the benchmark shape (B=8, T=2048, H=24, P=64, N=128), determinism, vmap, fallback. Run
+them without pytest-xdist's `-n` (or with few workers): the reference's VJP at that shape keeps
 every step's state, ~45 GB of GPU memory per process (two at once ran out of memory on the H200).
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from unittest import mock
 
 import jax
 # The Pallas interpreter imports `pallas.fuser` on first use, which registers a config value in JAX's
@@ -24,42 +25,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from builders import MAMBA3_ARRAYS as ARRAYS
+from builders import mamba3_scan_inputs, mamba3_state_shapes
 from helpers import assert_close
-from jmamba.ops import dispatch, mamba3_siso_scan
+from jmamba.ops import Mamba3ScanState, Mamba3ScanTuning, dispatch, mamba3_siso_scan
 from jmamba.ops.mamba3_siso_scan import pallas as pallas_glue
-from jmamba.ops.mamba3_siso_scan.common import Mamba3ScanStates
+from jmamba.ops.mamba3_siso_scan.pallas import mamba3_siso_scan_pallas
 from jmamba.ops.mamba3_siso_scan.reference import mamba3_siso_scan_reference
-from pallas_kernels.mamba3_siso import Mamba3ScanConfig, mamba3_siso_scan_pallas
+from pallas_kernels.mamba3_siso import Mamba3ScanConfig
 from pallas_kernels.mamba3_siso.config import chunk_length, make_geometry
 
-ARRAYS = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "Angles", "D", "Z")
-STATES = ("angle", "ssm", "k", "v")
-ON_GPU = jax.default_backend() == "gpu"
+STATES = Mamba3ScanState._fields
 # Gradients that sum over (batch, time) or over a whole chunk of terms: compared at twice the tolerance.
 SUMMED = ("ADT", "DT", "Angles", "Q_bias", "K_bias", "D", "angle")
 
 
 def make_inputs(shape, dtype, *, with_z=True, with_D=True, with_states=True, seed=0):
-    """(arrays dict, initial states or None) like the mixer's: activations in `dtype`, the rest f32.
+    """(arrays dict, initial state or None) like the mixer's: activations in `dtype`, the rest f32.
 
     shape = (Bt, T, H, G, N, P, S); Angles per head [Bt, T, H, S] (the op broadcasts shared ones).
     """
-    bsz, T, H, G, N, P, S = shape
-    r = np.random.default_rng(seed)
-    dt = np.exp(r.uniform(np.log(1e-3), np.log(0.5), (bsz, T, H)))
-    a = dict(Q=r.normal(size=(bsz, T, G, N)), K=r.normal(size=(bsz, T, G, N)), V=r.normal(size=(bsz, T, H, P)),
-             ADT=-r.uniform(1, 4, (bsz, T, H)) * dt, DT=dt, Trap=r.normal(size=(bsz, T, H)),
-             Q_bias=r.normal(size=(H, N)), K_bias=r.normal(size=(H, N)), Angles=r.normal(size=(bsz, T, H, S)),
-             D=r.normal(size=(H,)) if with_D else None, Z=r.normal(size=(bsz, T, H, P)) if with_z else None)
-    low = ("Q", "K", "V", "Z", "Trap")
-    arrays = {k: None if v is None else jnp.asarray(v, dtype if k in low else jnp.float32) for k, v in a.items()}
-    states = None
-    if with_states:
-        states = Mamba3ScanStates(jnp.asarray(r.uniform(0, 2 * np.pi, (bsz, H, S)), jnp.float32),
-                                  jnp.asarray(r.normal(size=(bsz, H, P, N)), jnp.float32),
-                                  jnp.asarray(r.normal(size=(bsz, H, N)), jnp.float32),
-                                  jnp.asarray(r.normal(size=(bsz, H, P)), jnp.float32))
-    return arrays, states
+    return mamba3_scan_inputs(shape, dtype, with_z=with_z, with_D=with_D, with_states=with_states, seed=seed)
 
 
 def cotangents(arrays, seed=1):
@@ -68,40 +54,32 @@ def cotangents(arrays, seed=1):
     bsz, T, H, P = arrays["V"].shape
     N, S = arrays["Q"].shape[-1], arrays["Angles"].shape[-1]
     d_out = jnp.asarray(r.normal(size=(bsz, T, H, P)), arrays["V"].dtype)
-    d_final = Mamba3ScanStates(*(jnp.asarray(r.normal(size=s), jnp.float32)
-                                 for s in ((bsz, H, S), (bsz, H, P, N), (bsz, H, N), (bsz, H, P))))
+    d_final = Mamba3ScanState(*(jnp.asarray(r.normal(size=s), jnp.float32)
+                                for s in mamba3_state_shapes((bsz, T, H, 1, N, P, S))))
     return d_out, d_final
 
 
-def _as_states(final):
-    return Mamba3ScanStates(*final)
-
-
-@functools.partial(jax.jit, static_argnames=("impl", "present", "chunk_size"))
-def _value_and_vjp(impl, present, chunk_size, arrays, states, d_out, d_final):
+@functools.partial(jax.jit, static_argnames=("impl", "present", "tuning"))
+def _value_and_vjp(impl, present, tuning, arrays, states, d_out, d_final):
     """(out, final states, cotangents of the present arrays, cotangents of the initial states)."""
     def f(vals, states):
         kw = dict(zip(present, vals))
-        out, final = impl(*[kw.get(k) for k in ARRAYS], states, None, chunk_size=chunk_size)
-        return out, _as_states(final)
+        out, final = impl(*[kw.get(k) for k in ARRAYS], states, None, tuning=tuning)
+        return out, Mamba3ScanState(*final)
 
     (out, final), vjp = jax.vjp(f, arrays, states)
     d_arrays, d_states = vjp((d_out, d_final))
     return out, final, d_arrays, d_states
 
 
-@functools.lru_cache(maxsize=None)
-def _pallas(config=None):
-    """One callable per config, so the jit cache of `_value_and_vjp` (static `impl`) is reused."""
-    return functools.partial(mamba3_siso_scan_pallas, config=config, interpret=not ON_GPU)
-
-
 def run_both(arrays, states, chunk_size, config=None):
+    """The Pallas implementation (interpreted on CPU) and the reference on the same call."""
     present = tuple(k for k in ARRAYS if arrays[k] is not None)
     vals = tuple(arrays[k] for k in present)
     d_out, d_final = cotangents(arrays)
-    got = _value_and_vjp(_pallas(config), present, chunk_size, vals, states, d_out, d_final)
-    want = _value_and_vjp(mamba3_siso_scan_reference, present, chunk_size, vals, states, d_out, d_final)
+    tuning = Mamba3ScanTuning(chunk_size=chunk_size, pallas_config=config)
+    got = _value_and_vjp(mamba3_siso_scan_pallas, present, tuning, vals, states, d_out, d_final)
+    want = _value_and_vjp(mamba3_siso_scan_reference, present, tuning, vals, states, d_out, d_final)
     return present, got, want
 
 
@@ -219,12 +197,12 @@ def test_vmap_jit_and_checkpoint_gradients_match_reference():
     def loss(impl, v, h0, adt):
         def one(sign):
             out, final = impl(arrays["Q"], arrays["K"], v * sign, adt, arrays["DT"], arrays["Trap"], arrays["Q_bias"],
-                              arrays["K_bias"], arrays["Angles"], arrays["D"], arrays["Z"],
-                              states._replace(ssm=h0 * sign), None, chunk_size=16)
+                              arrays["K_bias"], arrays["Angles"], arrays["D"], arrays["z"],
+                              states._replace(ssm=h0 * sign), None, tuning=Mamba3ScanTuning(chunk_size=16))
             return jnp.sum(out * jnp.sin(out)) + jnp.sum(final[1] ** 2) + jnp.sum(jnp.cos(final[0]))
         return jnp.sum(jax.vmap(one)(signs))
 
-    pallas_loss = jax.checkpoint(functools.partial(loss, _pallas()))
+    pallas_loss = jax.checkpoint(functools.partial(loss, mamba3_siso_scan_pallas))
     got_val, got = jax.jit(jax.value_and_grad(pallas_loss, argnums=(0, 1, 2)))(arrays["V"], states.ssm, arrays["ADT"])
     reference_loss = functools.partial(loss, mamba3_siso_scan_reference)
     want_val, want = jax.jit(jax.value_and_grad(reference_loss, argnums=(0, 1, 2)))(arrays["V"], states.ssm, arrays["ADT"])
@@ -240,8 +218,8 @@ def test_explicit_pallas_through_the_op_with_shared_angles():
     kw = dict(arrays, Angles=shared)
 
     def loss(impl, kw):
-        out, final = mamba3_siso_scan(**kw, initial_states=states, return_final_states=True, chunk_size=16,
-                                      implementation=impl)
+        out, final = mamba3_siso_scan(**kw, initial_state=states, return_final_state=True,
+                                      tuning=Mamba3ScanTuning(chunk_size=16), implementation=impl)
         return jnp.sum(out * out) + jnp.sum(final.k)
 
     got = jax.jit(jax.value_and_grad(functools.partial(loss, "pallas")))(kw)
@@ -253,7 +231,8 @@ def test_explicit_pallas_through_the_op_with_shared_angles():
 
 # ------------------------------------------------------------------------------- abstract H200 lowering
 def _lower_for_h200(shape, dtype, *, with_z=True, config=None):
-    """Traces forward+backward and lowers it for an abstract H200: runs the Pallas->Triton lowering."""
+    """Traces forward+backward and lowers it for an abstract H200: runs the Pallas->Triton lowering
+    (the glue is told it is not on the CPU, so the kernels are lowered, not interpreted)."""
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
     arrays, states = make_inputs(shape, dtype, with_z=with_z)
@@ -263,20 +242,21 @@ def _lower_for_h200(shape, dtype, *, with_z=True, config=None):
 
     def loss(vals, states):
         kw = dict(zip(present, vals))
-        out, final = mamba3_siso_scan_pallas(*[kw.get(k) for k in ARRAYS], states, None, chunk_size=64,
-                                             config=config)
+        out, final = mamba3_siso_scan_pallas(*[kw.get(k) for k in ARRAYS], states, None,
+                                             tuning=Mamba3ScanTuning(chunk_size=64, pallas_config=config))
         return jnp.sum(out.astype(jnp.float32)) + sum(jnp.sum(x) for x in final)
 
     device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh), \
+            mock.patch.object(pallas_glue, "interpret_mode", return_value=False):
         warnings.simplefilter("ignore", DeprecationWarning)   # "Pallas Triton backend is deprecated"
         lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(specs, state_specs).lower(lowering_platforms=("cuda",))
     return lowered.as_text()
 
 
 @pytest.mark.parametrize("shape,dtype,with_z", [
-    ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True),     # the PERF.md shape
+    ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True),     # the benchmark shape
     ((2, 70, 6, 3, 7, 20, 1), jnp.float32, False),            # padding everywhere, groups, no Z
     ((1, 64, 2, 1, 16, 64, 8), jnp.float16, True),            # rope_fraction 1.0, f16 tensor-core dots
 ], ids=["perf-shape-bf16", "odd-shape-f32", "fullrope-f16"])
@@ -313,7 +293,7 @@ def test_abstract_lowering_rejects_what_triton_cannot_lower():
 def _call(**change):
     f32 = jnp.float32
     base = dict(Q=jnp.ones((1, 8, 1, 128), f32), V=jnp.ones((1, 8, 2, 64), f32), Angles=jnp.ones((1, 8, 2, 32), f32),
-                initial_states=None, reset=None, chunk_size=64)
+                initial_state=None, reset=None, tuning=Mamba3ScanTuning(chunk_size=64))
     base.update(change)
     return base
 
@@ -355,9 +335,10 @@ def test_kernel_refuses_a_reset_mask_and_a_bad_config():
     arrays, _ = make_inputs((1, 4, 2, 1, 8, 16, 2), jnp.float32)
     args = [arrays[k] for k in ARRAYS]
     with pytest.raises(NotImplementedError, match="reset"):
-        mamba3_siso_scan_pallas(*args, None, jnp.zeros((1, 4), bool), chunk_size=16, interpret=True)
+        mamba3_siso_scan_pallas(*args, None, jnp.zeros((1, 4), bool), tuning=Mamba3ScanTuning(chunk_size=16))
     with pytest.raises(TypeError, match="config"):
-        mamba3_siso_scan_pallas(*args, None, None, chunk_size=16, config={"state_block_p": 16}, interpret=True)
+        mamba3_siso_scan_pallas(*args, None, None,
+                                tuning=Mamba3ScanTuning(chunk_size=16, pallas_config={"state_block_p": 16}))
 
 
 @pytest.mark.parametrize("field,value", [("state_block_p", 12), ("num_warps_grad", 0), ("min_width", 24),
@@ -421,8 +402,9 @@ def test_gpu_two_runs_are_bit_identical_at_the_perf_shape():
     present = tuple(k for k in ARRAYS if arrays[k] is not None)
     vals = tuple(arrays[k] for k in present)
     d_out, d_final = cotangents(arrays)
-    first = _value_and_vjp(_pallas(), present, 64, vals, states, d_out, d_final)
-    second = _value_and_vjp(_pallas(), present, 64, vals, states, d_out, d_final)
+    tuning = Mamba3ScanTuning(chunk_size=64)
+    first = _value_and_vjp(mamba3_siso_scan_pallas, present, tuning, vals, states, d_out, d_final)
+    second = _value_and_vjp(mamba3_siso_scan_pallas, present, tuning, vals, states, d_out, d_final)
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -436,5 +418,5 @@ def test_gpu_vmap_jit_and_checkpoint():
 def test_gpu_automatic_choice_is_pallas():
     arrays, _ = make_inputs((2, 64, 4, 1, 128, 64, 32), jnp.bfloat16)
     impl = dispatch.choose("mamba3_siso_scan", None, Q=arrays["Q"], V=arrays["V"], Angles=arrays["Angles"],
-                           initial_states=None, reset=None, chunk_size=64)
+                           initial_state=None, reset=None, tuning=Mamba3ScanTuning(chunk_size=64))
     assert impl.fn.__name__ == "mamba3_siso_scan_pallas"

@@ -5,7 +5,7 @@ multiple of the chunk, n not a power of two, channel blocks of 1, groups, resets
 argument on and off, f32 and bf16), plus a lowering of the kernels for an abstract H200 so that an op
 the Triton lowering does not support fails here, without a GPU. Interpret-mode compiles dominate the
 run time (~6 s each), so each case is one jitted forward+VJP.
-GPU (`-m gpu`, H200): the full matrix including the PERF.md shape, determinism, jit/vmap/checkpoint.
+GPU (`-m gpu`, H200): the full matrix including the benchmark shape (B=8, T=2048, d=1536, n=16), determinism, jit/vmap/checkpoint.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from builders import mamba1_implementation_args, mamba1_scan_inputs
 from helpers import assert_close
-from jmamba.ops import dispatch, selective_scan
+from jmamba.ops import SelectiveScanState, dispatch, selective_scan
 from jmamba.ops.selective_scan import pallas as pallas_glue
 from jmamba.ops.selective_scan.reference import selective_scan_reference
 from pallas_kernels.selective_scan import ScanBlockConfig, selective_scan_pallas
@@ -40,29 +41,13 @@ TINY_SPLIT = ScanBlockConfig(block_d=4, chunk=8, fwd_unroll=2, bwd_sub_chunk=4, 
 
 def make_inputs(shape, dtype, *, with_D=True, with_z=True, with_bias=True, with_h0=True, with_reset=False,
                 seed=0):
-    """Random op arguments (B, C grouped [Bt, T, g, n]); parameters and state float32."""
-    bsz, T, d, n, g = shape
-    r = np.random.default_rng(seed)
-    args = dict(
-        u=r.normal(size=(bsz, T, d)),
-        delta=r.normal(size=(bsz, T, d)) * 0.5 - 0.5,
-        A=-np.exp(r.normal(size=(d, n)) * 0.5),
-        B=r.normal(size=(bsz, T, g, n)),
-        C=r.normal(size=(bsz, T, g, n)),
-        D=r.normal(size=(d,)) if with_D else None,
-        z=r.normal(size=(bsz, T, d)) if with_z else None,
-        delta_bias=r.normal(size=(d,)) * 0.3 if with_bias else None,
-        initial_state=r.normal(size=(bsz, d, n)) if with_h0 else None,
-    )
-    out = {k: None if v is None else jnp.asarray(v, jnp.float32 if k in ("A", "D", "delta_bias", "initial_state")
-                                                  else dtype) for k, v in args.items()}
-    reset = None
-    if with_reset:
-        rs = r.random((bsz, T)) < 0.08
-        rs[0, 0] = True            # a reset at t = 0 (same as a zero initial state for that row)
-        rs[-1, T // 2] = True      # and one in the middle of a chunk
-        reset = jnp.asarray(rs)
-    return out, reset
+    """Random arguments of the implementation contract keyed by NAMES (B, C grouped [Bt, T, g, n];
+    initial_state a [Bt, d, n] array or None); parameters and state float32. With resets: one at t = 0
+    (same as a zero initial state for that row) and one in the middle of a chunk, besides random ones."""
+    kw, reset = mamba1_scan_inputs(shape, dtype, with_D=with_D, with_z=with_z, with_bias=with_bias, with_h0=with_h0,
+                                   reset_prob=0.08 if with_reset else 0.0,
+                                   forced_resets=[(0, 0), (shape[0] - 1, shape[1] // 2)] if with_reset else ())
+    return dict(zip(NAMES, mamba1_implementation_args(kw))), reset
 
 
 def cotangents(args, seed=1):
@@ -215,7 +200,7 @@ def _lower_for_h200(shape, dtype, config, *, with_reset):
 
 
 @pytest.mark.parametrize("shape,dtype,config,with_reset", [
-    ((8, 2048, 1536, 16, 1), jnp.bfloat16, None, False),                 # the PERF.md shape, default config
+    ((8, 2048, 1536, 16, 1), jnp.bfloat16, None, False),                 # the benchmark shape, default config
     ((2, 70, 12, 5, 2), jnp.float32, TINY, True),                           # padding, groups, resets
 ], ids=["perf-shape-default", "odd-shape-reset"])
 def test_kernels_lower_to_triton_for_h200(shape, dtype, config, with_reset):
@@ -242,11 +227,12 @@ def test_abstract_lowering_rejects_an_op_triton_cannot_lower():
 # ------------------------------------------------------------------------------------------ dispatch
 def test_explicit_pallas_through_the_op_runs_on_cpu_in_interpret_mode():
     args, _ = make_inputs((1, 6, 4, 2, 1), jnp.float32)
+    args = dict(args, initial_state=SelectiveScanState(args["initial_state"]))
     got = jax.jit(lambda a: selective_scan(**a, delta_softplus=True, return_final_state=True,
                                            implementation="pallas"))(args)
     want = selective_scan(**args, delta_softplus=True, return_final_state=True, implementation="reference")
     assert_close("out", got[0], want[0], 3e-5)
-    assert_close("final_state", got[1], want[1], 3e-5)
+    assert_close("final_state", got[1].ssm, want[1].ssm, 3e-5)
 
 
 @pytest.mark.parametrize("platform,change,reason", [

@@ -10,22 +10,11 @@ import optax
 import pytest
 from flax import nnx
 
+from builders import delayed_copy_batch, mse_first_feature
 from helpers import assert_close
 from jmamba import Mamba1Backbone, Mamba1Config, TrainState, make_train_step
 
 CFG = Mamba1Config(d_model=16, n_layers=1, d_state=4, input_dim=3)
-
-
-def delayed_copy_batch(rng, bsz=8, T=16, delay=2):
-    """Target: the first input feature `delay` steps ago (needs memory, learnable by a Mamba)."""
-    x = rng.normal(size=(bsz, T, 3)).astype(np.float32)
-    target = np.zeros((bsz, T), np.float32)
-    target[:, delay:] = x[:, :-delay, 0]
-    return {"inputs": jnp.asarray(x), "targets": jnp.asarray(target)}
-
-
-def mse_first_feature(y, batch):
-    return jnp.mean((y[..., 0] - batch["targets"]) ** 2)
 
 
 def test_train_step_learns_a_toy_problem_and_traces_once():
@@ -42,6 +31,7 @@ def test_train_step_learns_a_toy_problem_and_traces_once():
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     assert int(state.step) == 200 and int(metrics["step"]) == 200
+    assert int(state.updates) == 200 and int(metrics["updates"]) == 200   # no MultiSteps: one update a step
     first, last = np.mean(losses[:10]), np.mean(losses[-10:])
     assert last < 0.25 * first, f"loss did not fall enough: {first:.4f} -> {last:.4f}"
 
@@ -100,6 +90,7 @@ def test_train_state_create_and_reset_rows():
     model = Mamba1Backbone(CFG, rngs=nnx.Rngs(0))
     state = TrainState.create(model, optax.adam(1e-3), batch_size=3)
     assert int(state.step) == 0 and state.step.dtype == jnp.int32
+    assert int(state.updates) == 0 and state.updates.dtype == jnp.int32
     ones = state.replace(recurrent_state=jax.tree.map(jnp.ones_like, state.recurrent_state))
     part = ones.reset_recurrent_state(jnp.array([False, True, False]))
     assert float(part.recurrent_state[0].ssm[1].max()) == 0.0 and float(part.recurrent_state[0].ssm[0].min()) == 1.0

@@ -9,18 +9,18 @@ import optax
 import pytest
 from flax import nnx
 
+from builders import TINY_MAMBA1 as CFG
+from builders import d_out_batch, delayed_copy_batch, gradient_capture, mse_first_feature
 from helpers import assert_close
 from jmamba import Mamba1Backbone, Mamba1Config, TrainState, backward_step, forward, make_train_step
 from jmamba.optim import fused_adamw
 from jmamba.training.loss_scale import DynamicLossScale, update_loss_scale
 
-CFG = Mamba1Config(d_model=16, n_layers=2, d_state=4, input_dim=3)
-
 
 def data(seed, bsz=4, T=10):
-    r = np.random.default_rng(seed)
-    return (jnp.asarray(r.normal(size=(bsz, T, 3)), jnp.float32),
-            jnp.asarray(r.normal(size=(bsz, T, CFG.d_model)), jnp.float32))
+    """(inputs [bsz, T, 3], d_out [bsz, T, 16]) of `d_out_batch`."""
+    b = d_out_batch(seed, bsz, T)
+    return b["inputs"], b["d_out"]
 
 
 def leaves_equal(a, b):
@@ -76,16 +76,12 @@ def test_reduced_precision_training_lowers_the_loss_like_f32(precision):
         model = Mamba1Backbone(Mamba1Config(d_model=16, n_layers=1, d_state=4, input_dim=3), rngs=nnx.Rngs(0))
         opt = optax.adam(1e-2)
         state = TrainState.create(model, opt, 8, precision=prec)
-        step = make_train_step(model, opt, precision=prec,
-                               loss_fn=lambda y, b: jnp.mean((y[..., 0] - b["targets"]) ** 2))
+        step = make_train_step(model, opt, precision=prec, loss_fn=mse_first_feature)
         r = np.random.default_rng(0)
         losses = []
         for _ in range(150):
-            x = r.normal(size=(8, 16, 3)).astype(np.float32)
-            t = np.zeros((8, 16), np.float32)
-            t[:, 2:] = x[:, :-2, 0]
             state = state.reset_recurrent_state()
-            state, m = step(state, {"inputs": jnp.asarray(x), "targets": jnp.asarray(t)})
+            state, m = step(state, delayed_copy_batch(r))
             losses.append(float(m["loss"]))
         return np.mean(losses[:10]), np.mean(losses[-10:]), m
 
@@ -112,8 +108,7 @@ def test_clipping_matches_hand_computation(max_norm):
     want = [a * min(coef, 1.0) for a in g]
 
     # an "optimizer" that stores the gradient it receives in its state
-    capture = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p),
-                                           lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), g))
+    capture = gradient_capture()
     state = TrainState.create(model, capture, 4)
     step = make_train_step(model, capture, clip_max_norm=max_norm, donate=False)
     new, m = step(state, {"inputs": x, "d_out": d})
@@ -227,10 +222,10 @@ def test_f16_needs_a_loss_scale_and_metrics_per_mode():
         make_train_step(model, opt, precision="f16")(TrainState.create(model, opt, 4), {"inputs": x, "d_out": d})
     _, m = make_train_step(model, opt, loss_fn=lambda y, b: jnp.mean(y ** 2))(
         TrainState.create(model, opt, 4), {"inputs": x})
-    assert set(m) == {"step", "loss"}
+    assert set(m) == {"step", "updates", "loss", "grad_norm"}
     _, m = make_train_step(model, opt, precision="f16", clip_max_norm=1.0)(
         TrainState.create(model, opt, 4, precision="f16"), {"inputs": x, "d_out": d})
-    assert set(m) == {"step", "grad_norm", "loss_scale", "overflow_skipped"}
+    assert set(m) == {"step", "updates", "grad_norm", "loss_scale", "overflow_skipped"}
     with pytest.raises(ValueError, match="clip_max_norm"):
         make_train_step(model, opt, clip_max_norm=-1.0)
 
