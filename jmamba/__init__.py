@@ -11,8 +11,9 @@ from jmamba.core.precision import Precision
 from jmamba.generate import generate
 from jmamba.interop.hf_mamba import load_hf_mamba, save_hf_mamba
 from jmamba.interop.official_mamba3 import load_official_mamba3
-from jmamba.io.checkpoint import restore_checkpoint, save_checkpoint
+from jmamba.io.checkpoint import CheckpointError, CheckpointMismatchError, restore_checkpoint, save_checkpoint
 from jmamba.io.safetensors_io import load_safetensors, save_safetensors
+from jmamba.io.weights import LoadReport, load_weights
 from jmamba.lm import MambaLM, MambaLMConfig
 from jmamba.mamba1 import Mamba1Backbone, Mamba1Config, Mamba1LayerState, Mamba1Mixer
 from jmamba.mamba3 import Mamba3Backbone, Mamba3Config, Mamba3LayerState, Mamba3Mixer
@@ -23,10 +24,10 @@ from jmamba.training.train_state import TrainState
 from jmamba.training.train_step import make_train_step
 
 __all__ = [
-    "Architecture", "DynamicLossScale", "ForwardContext", "Mamba1Backbone", "Mamba1Config", "Mamba1LayerState",
+    "Architecture", "CheckpointError", "CheckpointMismatchError", "DynamicLossScale", "LoadReport", "ForwardContext", "Mamba1Backbone", "Mamba1Config", "Mamba1LayerState",
     "Mamba1Mixer", "Mamba3Backbone", "Mamba3Config", "Mamba3LayerState", "Mamba3Mixer", "MambaLM",
     "MambaLMConfig", "Precision", "TrainState", "architecture_names", "backward_step", "find_fused_apply",
     "forward", "fused_adamw", "generate", "get_architecture", "load_hf_mamba", "load_official_mamba3",
-    "load_safetensors", "make_train_step", "no_decay_mask", "ops", "register_architecture",
+    "load_safetensors", "load_weights", "make_train_step", "no_decay_mask", "ops", "register_architecture",
     "restore_checkpoint", "save_checkpoint", "save_hf_mamba", "save_safetensors",
 ]

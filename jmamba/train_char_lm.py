@@ -18,6 +18,7 @@ a generated sample printed at the end. `--fresh` ignores existing checkpoints.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -33,7 +34,8 @@ from tqdm import tqdm
 from jmamba.data.corpus import VOCAB_SIZE, decode, default_corpus_bytes, encode, load_text_bytes
 from jmamba.data.streams import StreamBatcher
 from jmamba.generate import generate
-from jmamba.io.checkpoint import checkpoint_info, latest_step, restore_checkpoint, save_checkpoint
+from jmamba.io.checkpoint import (CheckpointMismatchError, checkpoint_info, latest_step, restore_checkpoint,
+                                  save_checkpoint)
 from jmamba.io.safetensors_io import save_safetensors
 from jmamba.lm import MambaLM
 from jmamba.mamba1.config import Mamba1Config
@@ -41,31 +43,64 @@ from jmamba.training.train_state import TrainState
 from jmamba.training.train_step import make_train_step
 
 
-def parse_args(argv=None):
+def _number(kind, lo, *, strict):
+    """An argparse type: a finite `kind` >= lo (> lo when strict); the message names the bound."""
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if not math.isfinite(v) or (v <= lo if strict else v < lo):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {lo}, got {text}")
+        return v
+    parse.__name__ = kind.__name__
+    return parse
+
+
+POSITIVE_INT, NONNEG_INT = _number(int, 0, strict=True), _number(int, 0, strict=False)
+POSITIVE, NONNEG = _number(float, 0.0, strict=True), _number(float, 0.0, strict=False)
+
+
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--arch", choices=["mamba1", "mamba3"], default="mamba1")
     p.add_argument("--text", help="train on this text file instead of the embedded corpus")
     p.add_argument("--out", default="runs/char_lm", help="output folder (checkpoints, weights, plot)")
     p.add_argument("--fresh", action="store_true", help="start over even if checkpoints exist")
-    p.add_argument("--steps", type=int, default=400, help="total optimizer steps (a resumed run continues)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--n-layers", type=int, default=2)
-    p.add_argument("--d-state", type=int, default=None, help="default: 16 (mamba1) / 32 (mamba3)")
-    p.add_argument("--headdim", type=int, default=32, help="mamba3 head size")
+    p.add_argument("--steps", type=POSITIVE_INT, default=400, help="total optimizer steps (a resumed run continues)")
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=16)
+    p.add_argument("--seq-len", type=POSITIVE_INT, default=128)
+    p.add_argument("--d-model", type=POSITIVE_INT, default=128)
+    p.add_argument("--n-layers", type=POSITIVE_INT, default=2)
+    p.add_argument("--d-state", type=POSITIVE_INT, default=None, help="default: 16 (mamba1) / 32 (mamba3)")
+    p.add_argument("--headdim", type=POSITIVE_INT, default=32, help="mamba3 head size")
     p.add_argument("--precision", choices=["f32", "bf16", "f16"], default="f32")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0, help="global-norm clipping threshold")
-    p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--lr", type=POSITIVE, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=NONNEG_INT, default=30, help="linear warm-up steps")
+    p.add_argument("--weight-decay", type=NONNEG, default=0.1)
+    p.add_argument("--clip", type=POSITIVE, default=1.0, help="global-norm clipping threshold")
+    p.add_argument("--ckpt-every", type=NONNEG_INT, default=100, help="checkpoint period in steps (0: only at the end)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sample-tokens", type=int, default=300)
-    p.add_argument("--prompt", default="def ")
-    p.add_argument("--temperature", type=float, default=0.7)
-    return p.parse_args(argv)
+    p.add_argument("--sample-tokens", type=NONNEG_INT, default=300, help="bytes to generate after training")
+    p.add_argument("--prompt", default="def ", help="prompt of the generated sample")
+    p.add_argument("--temperature", type=NONNEG, default=0.7, help="sampling temperature (0: greedy)")
+    return p
+
+
+def parse_args(argv=None):
+    """Parses and checks every flag before any work: argparse errors (exit 2) name the flag."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.text is not None and not os.path.isfile(args.text):
+        parser.error(f"argument --text: no such file {args.text!r}")
+    try:
+        build_config(args).validate()
+    except ValueError as e:
+        parser.error(f"the model flags do not make a valid {args.arch} config: {e}")
+    if not args.prompt:
+        parser.error("argument --prompt: must not be empty")
+    return args
 
 
 def build_config(args):
@@ -73,7 +108,7 @@ def build_config(args):
         return Mamba1Config(d_model=args.d_model, n_layers=args.n_layers, d_state=args.d_state or 16)
     from jmamba.mamba3.config import Mamba3Config
     return Mamba3Config(d_model=args.d_model, n_layers=args.n_layers, d_state=args.d_state or 32,
-                        headdim=args.headdim, chunk_size=32)
+                        headdim=args.headdim)
 
 
 def cross_entropy(logits, batch):
@@ -105,8 +140,12 @@ def main(argv=None) -> int:
     if args.fresh and os.path.isdir(ckpt_dir):
         shutil.rmtree(ckpt_dir)
     if latest_step(ckpt_dir) is not None:
-        lm_cfg = lm.config
-        state = restore_checkpoint(ckpt_dir, state, config=lm_cfg)   # raises naming a config mismatch
+        try:
+            state = restore_checkpoint(ckpt_dir, state, config=lm.config)
+        except CheckpointMismatchError as e:
+            print(f"error: {ckpt_dir} holds checkpoints of a different run ({e}); pass --fresh to start over "
+                  f"or choose another --out", file=sys.stderr)
+            return 2
         extras = checkpoint_info(ckpt_dir)["extras"]
         batches.position = np.asarray(extras["data_position"], np.int64)
         batches.fresh[:] = False
