@@ -94,7 +94,8 @@ class MambaLM(nnx.Module):
             logits = self.lm_head(y.astype(cdt))
         return logits.astype(accum_dtype(logits.dtype))
 
-    def __call__(self, input_ids, state=None, *, reset=None, precision=None, truncate_bptt=True, **deprecated):
+    def __call__(self, input_ids, state=None, *, reset=None, precision=None, truncate_bptt=True, remat=None,
+                 **deprecated):
         """input_ids [B, T] int -> (logits [B, T, V] float32, new_state).
 
         `precision` ("f32", "bf16", "f16" or a `jmamba.Precision`; the old `compute_dtype=` still
@@ -103,7 +104,7 @@ class MambaLM(nnx.Module):
         self._check_ids(input_ids, 2)
         p = as_precision(take_compute_dtype(deprecated, precision, "MambaLM.__call__"))
         h = self._embed(input_ids)
-        y, state = self.backbone(h, state, reset=reset, precision=p, truncate_bptt=truncate_bptt)
+        y, state = self.backbone(h, state, reset=reset, precision=p, truncate_bptt=truncate_bptt, remat=remat)
         return self._logits(y, p.compute_dtype), state
 
     def step(self, token_ids, state, *, precision=None, **deprecated):

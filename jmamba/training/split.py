@@ -25,6 +25,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jmamba.backbone import check_remat
 from jmamba.core.axes import DATA_AXIS
 from jmamba.core.validation import check_bool, shape_of
 from jmamba.parallel import shard_batch, shard_state
@@ -65,10 +66,10 @@ class ForwardContext:
         self.state_rows_reset = 0
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "precision", "truncate_bptt", "guard"))
-def _forward_jit(params, recurrent_state, batch, *, graphdef, precision, truncate_bptt, guard):
+@functools.partial(jax.jit, static_argnames=("graphdef", "precision", "truncate_bptt", "guard", "remat"))
+def _forward_jit(params, recurrent_state, batch, *, graphdef, precision, truncate_bptt, guard, remat):
     return forward_with_vjp(graphdef, params, recurrent_state, batch, precision=precision,
-                            truncate_bptt=truncate_bptt, guard=guard)
+                            truncate_bptt=truncate_bptt, guard=guard, remat=remat)
 
 
 @functools.partial(jax.jit, static_argnames=("optimizer", "clip_max_norm", "accumulate_only", "guard"),
@@ -92,6 +93,7 @@ def forward(model: nnx.Module, state: TrainState, batch: dict, *, precision="f32
         placed on it (a no-op when `jmamba.parallel.shard_state`/`shard_batch` already did).
       nonfinite_guard: restart recurrent-state rows that leave the window non-finite from zeros
         (`ctx.state_rows_reset` counts them); see `make_train_step`.
+      remat: activation memory (see `make_train_step`).
 
     Returns:
       (outputs float32 [B, T, ...], ctx: ForwardContext, new_state with the advanced recurrent state).
@@ -110,7 +112,7 @@ def forward(model: nnx.Module, state: TrainState, batch: dict, *, precision="f32
             state, batch = shard_state(state, mesh, fsdp=fsdp), shard_batch(batch, mesh)
         outputs, vjp_fn, (new_rec, rows_reset) = _forward_jit(
             state.params, state.recurrent_state, batch, graphdef=nnx.graphdef(model), precision=precision,
-            truncate_bptt=truncate_bptt, guard=nonfinite_guard)
+            truncate_bptt=truncate_bptt, guard=nonfinite_guard, remat=check_remat(remat))
     token = next(_TOKENS)
     ctx = ForwardContext(vjp_fn, shape_of(outputs), precision, token, mesh)
     ctx.state_rows_reset = rows_reset

@@ -40,7 +40,8 @@ from jmamba.training.train_state import TrainState
 f32 = jnp.float32
 
 
-def forward_with_vjp(graphdef, params, recurrent_state, batch, *, precision, truncate_bptt, guard=True):
+def forward_with_vjp(graphdef, params, recurrent_state, batch, *, precision, truncate_bptt, guard=True,
+                     remat=None):
     """Runs the model on batch["inputs"] from `recurrent_state`.
 
     Returns:
@@ -51,8 +52,9 @@ def forward_with_vjp(graphdef, params, recurrent_state, batch, *, precision, tru
 
     def run(p):
         model = nnx.merge(graphdef, p)
+        extra = {} if remat is None else {"remat": remat}
         out, new_state = model(batch["inputs"], recurrent_state, reset=batch.get("reset"),
-                               precision=precision, truncate_bptt=truncate_bptt)
+                               precision=precision, truncate_bptt=truncate_bptt, **extra)
         new_state = jax.lax.stop_gradient(new_state)
         if guard:
             new_state, n_reset = restart_nonfinite_rows(new_state)

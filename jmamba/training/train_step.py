@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jmamba.core.validation import check_bool, shape_of
+from jmamba.backbone import check_remat
 from jmamba.lm import MambaLM
 from jmamba.training.clipping import check_max_norm
 from jmamba.training.optimizer_update import check_optimizer
@@ -42,7 +43,7 @@ def make_train_step(model: nnx.Module, optimizer, *,
                     loss_fn: Optional[Callable] = None, precision="f32",
                     clip_max_norm: Optional[float] = None, truncate_bptt: bool = True,
                     donate: bool = True, jit: bool = True, mesh=None, fsdp: bool = False,
-                    nonfinite_guard: bool = True):
+                    nonfinite_guard: bool = True, remat=None):
     """Builds the training step for `model` (its structure; parameters come from the TrainState).
 
     Args:
@@ -68,6 +69,9 @@ def make_train_step(model: nnx.Module, optimizer, *,
       nonfinite_guard: skip steps whose loss, gradients or update are non-finite and restart
         non-finite recurrent-state rows from zeros (default; `jmamba.training.guard`). False applies
         whatever the step computed, as PyTorch does (float16 overflow steps are still skipped).
+      remat: activation memory of the backward pass: None (save everything), "layer" (recompute
+        each residual block), or a `jax.checkpoint_policies` policy per block (see
+        `ResidualBackbone.__call__`).
 
     For a `MambaLM`, token ids outside [0, vocab) raise a ValueError naming the batch key and
     position when the batch is a host (numpy) array; on the device they are counted in
@@ -82,13 +86,14 @@ def make_train_step(model: nnx.Module, optimizer, *,
         raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
     check_optimizer(optimizer)
     check_bool("nonfinite_guard", nonfinite_guard)
+    remat = check_remat(remat)
     graphdef = nnx.graphdef(model)
     vocab_size = token_vocab(model)
 
     def core(state: TrainState, batch):
         outputs, vjp_fn, (new_rec, rows_reset) = forward_with_vjp(
             graphdef, state.params, state.recurrent_state, batch, precision=precision,
-            truncate_bptt=truncate_bptt, guard=nonfinite_guard)
+            truncate_bptt=truncate_bptt, guard=nonfinite_guard, remat=remat)
         # Same two halves as the split API; the barrier keeps XLA from fusing across them.
         outputs, vjp_fn, new_rec = jax.lax.optimization_barrier((outputs, vjp_fn, new_rec))
         metrics = {"state_rows_reset": rows_reset}
