@@ -24,6 +24,20 @@ from jmamba.layers.dense import Dense
 
 f32 = jnp.float32
 
+# save_pretrained / from_pretrained are implemented by jmamba.io.pretrained (the io layer reads models;
+# models do not import io), which registers them here when jmamba.io is imported.
+_PRETRAINED_IO: dict = {}
+
+
+def register_pretrained_io(save, load) -> None:
+    _PRETRAINED_IO.update(save=save, load=load)
+
+
+def _pretrained_io(name):
+    if not _PRETRAINED_IO:   # `import jmamba` (and any jmamba submodule import) registers them
+        raise RuntimeError("jmamba.io is not imported: import jmamba first")
+    return _PRETRAINED_IO[name]
+
 
 @dataclasses.dataclass(frozen=True)
 class MambaLMConfig:
@@ -64,6 +78,16 @@ class MambaLM(nnx.Module):
 
     def init_state(self, batch: int):
         return self.backbone.init_state(batch)
+
+    def save_pretrained(self, directory) -> str:
+        """Writes config.json + model.safetensors (float32 masters) into `directory`; returns its path."""
+        return _pretrained_io("save")(directory, self)
+
+    @classmethod
+    def from_pretrained(cls, directory, *, step=None, rngs=None) -> "MambaLM":
+        """A MambaLM from a `save_pretrained` directory, or from a training-checkpoint directory (its
+        newest step, or `step`). Strict: every weight must be there, with its shape and dtype."""
+        return _pretrained_io("load")(directory, step=step, rngs=rngs)
 
     def _check_ids(self, ids, ndim, name="input_ids"):
         s = shape_of(ids)

@@ -92,6 +92,27 @@ class TrainState(struct.PyTreeNode):
                    loss_scale=DynamicLossScale.create() if precision.needs_loss_scale else None,
                    grad_accum=jax.tree.map(jnp.zeros_like, params) if accumulate else None)
 
+    def to_model(self, model: nnx.Module) -> nnx.Module:
+        """A copy of `model` (the same structure) holding this state's trained parameters.
+
+        The arrays are copied, so the returned model stays valid when this state is later donated
+        to a train step (which updates the parameters in place). `model` itself is not changed.
+
+        Raises:
+          RuntimeError when this TrainState was already donated (use the state the step returned).
+        """
+        if not isinstance(model, nnx.Module):
+            raise TypeError(f"model must be the nnx.Module this state trains, got {type(model).__name__}")
+        leaves = jax.tree.leaves(self.params)
+        if any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
+            raise RuntimeError("this TrainState was donated to a train step and its arrays are gone; call "
+                               "to_model on the state the step returned")
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        if jax.tree.structure(params) != jax.tree.structure(self.params):
+            raise ValueError("model does not have the parameter structure of this TrainState "
+                             "(a model of another config or architecture?)")
+        return nnx.merge(graphdef, jax.tree.map(jnp.copy, self.params), rest)
+
     def reset_recurrent_state(self, rows=None) -> "TrainState":
         """Zeroes the carried state (all rows, or rows where the [B] bool mask `rows` is True)."""
         if rows is None:
