@@ -10,6 +10,7 @@ from jmamba.architectures import Architecture, architecture_names, get_architect
 from jmamba.core.precision import Precision
 from jmamba.generate import generate
 from jmamba.interop.hf_mamba import load_hf_mamba, save_hf_mamba
+from jmamba.interop.official_lm import load_official_lm, save_official_lm
 from jmamba.interop.official_mamba3 import load_official_mamba3
 from jmamba.io.checkpoint import CheckpointError, CheckpointMismatchError, restore_checkpoint, save_checkpoint
 from jmamba.io.safetensors_io import load_safetensors, save_safetensors
@@ -27,7 +28,7 @@ __all__ = [
     "Architecture", "CheckpointError", "CheckpointMismatchError", "DynamicLossScale", "LoadReport", "ForwardContext", "Mamba1Backbone", "Mamba1Config", "Mamba1LayerState",
     "Mamba1Mixer", "Mamba3Backbone", "Mamba3Config", "Mamba3LayerState", "Mamba3Mixer", "MambaLM",
     "MambaLMConfig", "Precision", "TrainState", "architecture_names", "backward_step", "find_fused_apply",
-    "forward", "fused_adamw", "generate", "get_architecture", "load_hf_mamba", "load_official_mamba3",
+    "forward", "fused_adamw", "generate", "get_architecture", "load_hf_mamba", "load_official_lm", "load_official_mamba3",
     "load_safetensors", "load_weights", "make_train_step", "no_decay_mask", "ops", "register_architecture",
-    "restore_checkpoint", "save_checkpoint", "save_hf_mamba", "save_safetensors",
+    "restore_checkpoint", "save_checkpoint", "save_hf_mamba", "save_official_lm", "save_safetensors",
 ]
