@@ -40,25 +40,25 @@ def _number(kind, lo, hi=None, *, strict=False, hi_strict=False):
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m jmamba.sample", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True,
+    p.add_argument("--model", required=True, default=argparse.SUPPRESS,
                    help="a MambaLM.save_pretrained directory or a training-checkpoint directory")
-    p.add_argument("--prompt", required=True, help="the text to continue (must not be empty)")
+    p.add_argument("--prompt", required=True, default=argparse.SUPPRESS, help="the text to continue (must not be empty)")
     p.add_argument("--tokenizer", default=None,
-                   help="a Hugging Face tokenizer.json (needs the `tokenizers` package); default: UTF-8 bytes")
+                   help="a Hugging Face tokenizer.json (needs the `tokenizers` package); None: UTF-8 bytes")
     p.add_argument("--max-new-tokens", type=_number(int, 0), default=200, help="tokens to generate")
     p.add_argument("--temperature", type=_number(float, 0.0), default=0.0,
                    help="sampling temperature (0: greedy)")
     p.add_argument("--top-k", type=_number(int, 1), default=None,
-                   help="sample among the k most likely tokens only (default: all)")
+                   help="sample among the k most likely tokens only; None: all")
     p.add_argument("--top-p", type=_number(float, 0.0, 1.0, strict=True), default=None,
-                   help="nucleus sampling: the smallest set of tokens whose probability reaches p, in (0, 1] "
-                        "(default: off)")
+                   help="nucleus sampling: the smallest set of tokens whose probability reaches p, in (0, 1]; "
+                        "None: off")
     p.add_argument("--eos-id", type=_number(int, 0), action="append", default=None,
-                   help="stop after this token id (repeat the flag for several)")
+                   help="stop after this token id (repeat the flag for several); None: no stop token")
     p.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
     p.add_argument("--precision", choices=["f32", "bf16", "f16"], default="f32", help="compute precision")
     p.add_argument("--step", type=_number(int, 0), default=None,
-                   help="checkpoint step to load (checkpoint directories only; default: the newest)")
+                   help="checkpoint step to load (checkpoint directories only); None: the newest")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     return p
 
@@ -69,8 +69,14 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if not os.path.isdir(args.model):
         parser.error(f"argument --model: no such directory {args.model!r}")
-    if args.tokenizer is not None and not os.path.isfile(args.tokenizer):
-        parser.error(f"argument --tokenizer: no such file {args.tokenizer!r}")
+    if args.tokenizer is not None:
+        if not os.path.isfile(args.tokenizer):
+            parser.error(f"argument --tokenizer: no such file {args.tokenizer!r}")
+        try:
+            import tokenizers  # noqa: F401
+        except ImportError:
+            parser.error("argument --tokenizer: needs the Hugging Face `tokenizers` package, which is not "
+                         "installed: pip install 'jmamba[hf]'")
     if not args.prompt:
         parser.error("argument --prompt: must not be empty")
     if args.step is not None and os.path.isfile(os.path.join(args.model, "config.json")):
@@ -95,11 +101,8 @@ class _HFCodec:
     """A `tokenizers.Tokenizer`; streaming decodes everything generated so far and prints the new suffix."""
 
     def __init__(self, path):
-        try:
-            import tokenizers
-        except ImportError:
-            raise SystemExit("error: --tokenizer needs the Hugging Face `tokenizers` package: "
-                             "pip install 'jmamba[hf]'") from None
+        import tokenizers   # parse_args checked that it imports
+
         self.tok = tokenizers.Tokenizer.from_file(path)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
 

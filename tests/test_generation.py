@@ -198,6 +198,11 @@ def test_sample_main_in_process(tmp_path, capsys):
             main(["--model", model, "--prompt", "ab", *argv])
         assert e.value.code == 2
         assert flag in capsys.readouterr().err
+    open(os.path.join(tmp_path, "tok.json"), "w").close()
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as e:
+        mp.setitem(sys.modules, "tokenizers", None)                       # as if not installed
+        main(["--model", model, "--prompt", "ab", "--tokenizer", os.path.join(tmp_path, "tok.json")])
+    assert e.value.code == 2 and "pip install 'jmamba[hf]'" in capsys.readouterr().err
 
 
 def test_sample_with_a_tokenizer(tmp_path, capsys):
