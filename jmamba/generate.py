@@ -137,7 +137,7 @@ def _normalize_prompts(prompt_ids, prompt_lengths, vocab):
     """-> (prompts [B, W] int32 numpy right-padded with 0, lengths [B] int32 numpy, the int32 device
     array of prompt_ids when it was given as an array without padding, else None)."""
     if isinstance(prompt_ids, (list, tuple)) and len(prompt_ids) and all(
-            isinstance(r, (list, tuple, np.ndarray)) for r in prompt_ids):
+            isinstance(r, (list, tuple, np.ndarray, jax.Array)) for r in prompt_ids):
         if prompt_lengths is not None:
             raise ValueError("prompt_lengths must be None when prompt_ids is a list of token lists "
                              "(the lists carry their own lengths)")

@@ -56,6 +56,7 @@ def test_ragged_and_bucketed_equal_each_row_alone(lm):
         padded[b, :len(r)] = r
     np.testing.assert_array_equal(generate(lm, padded, n, prompt_lengths=[3, 6, 1]), out)
     np.testing.assert_array_equal(generate(lm, rows, n, bucket=False), out)
+    np.testing.assert_array_equal(generate(lm, [jnp.asarray(r) for r in rows], n), out)
     # equal-length prompts off a bucket (3 -> 4) give the tokens of the unpadded program
     eq = jnp.asarray([rows[1][:3], rows[0]], jnp.int32)
     np.testing.assert_array_equal(generate(lm, eq, n), generate(lm, eq, n, bucket=False))
