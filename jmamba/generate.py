@@ -101,8 +101,8 @@ def generate(lm, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, t
 
     # Left-pad to the bucket; the reset at each row's first real token makes the padding invisible.
     padded_len = _bucket(longest) if bucket else longest
-    if equal and padded_len == width:
-        ids, reset = jnp.asarray(prompts), None          # no padding: today's program exactly
+    if np.all(lengths == padded_len):                    # no padding: today's program exactly
+        ids, reset = (given_array if equal and given_array is not None else jnp.asarray(prompts[:, :padded_len])), None
     else:
         start = padded_len - lengths                     # first real position of each row
         pos = np.arange(padded_len)[None]
