@@ -234,7 +234,9 @@ def test_a_schedule_that_turns_bad_later_is_skipped(bad, fused_path):
 @pytest.mark.parametrize("flags, flag", [(["--steps", "-5"], "--steps"), (["--lr", "-1"], "--lr"),
                                          (["--temperature", "-1"], "--temperature"),
                                          (["--batch-size", "0"], "--batch-size"),
-                                         (["--arch", "mamba3", "--headdim", "7"], "headdim")])
+                                         (["--arch", "mamba3", "--headdim", "7"], "headdim"),
+                                         (["--eval-every", "-1"], "--eval-every"),
+                                         (["--tokenizer", "no_such_tokenizer.json"], "--tokenizer")])
 def test_cli_validates_every_flag_before_any_work(tmp_path, flags, flag):
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "jmamba.train_char_lm", "--out", str(out), *flags],

@@ -80,7 +80,8 @@ def _backward_jit(state, vjp_fn, d_out, *, optimizer, clip_max_norm, accumulate_
 
 
 def forward(model: nnx.Module, state: TrainState, batch: dict, *, precision="f32",
-            truncate_bptt: bool = True, mesh=None, fsdp: bool = False, nonfinite_guard: bool = True):
+            truncate_bptt: bool = True, mesh=None, fsdp: bool = False, nonfinite_guard: bool = True,
+            remat=None):
     """Training forward from the carried state.
 
     Args:
