@@ -9,6 +9,12 @@ The mixer class is the only architecture-specific part; it must provide `__call_
 `precision` ("f32" default, "bf16", "f16"; a `jmamba.Precision`); norms, residual and the output
 stay float32 (docs/numerics.md).
 
+Memory (`remat`): by default the backward pass keeps what autodiff saves for every layer. With
+`remat="layer"` each residual block is rematerialised (`nnx.remat`): only its input [Bt, T, D] is kept
+and the block's forward runs again in the backward pass; a `jax.checkpoint_policies` policy (e.g.
+`dots_with_no_batch_dims_saveable`) keeps what it names and recomputes the rest. Results are the
+same to rounding (the same program runs twice); `make_train_step(remat=...)` passes it through.
+
 State across windows: `__call__` starts from the given state and returns the state after the last
 token. With `truncate_bptt=True` (default, as mamba-rs) no gradient flows into the incoming state;
 `truncate_bptt=False` differentiates through it (exact BPTT when windows are chained in one program).
@@ -101,7 +107,7 @@ class ResidualBackbone(nnx.Module):
         return x.astype(acc) if self.input_proj is None else self.input_proj(x.astype(acc))
 
     def __call__(self, x, state=None, *, reset=None, precision=None, truncate_bptt: bool = True,
-                 **deprecated):
+                 remat=None, **deprecated):
         """Runs a window of T steps.
 
         Args:
@@ -111,6 +117,8 @@ class ResidualBackbone(nnx.Module):
           precision: compute precision of the mixers' matmuls and activations: "f32" (default),
             "bf16", "f16", a `jmamba.Precision` or a dtype. (`compute_dtype=` is its deprecated name.)
           truncate_bptt: stop gradients into the incoming state (default True).
+          remat: None / "none" (save everything), "layer" (recompute each block in the backward
+            pass), or a `jax.checkpoint_policies` policy applied per block.
 
         Returns:
           (y [Bt, T, d_model] float32, new_state).
@@ -125,11 +133,11 @@ class ResidualBackbone(nnx.Module):
             if truncate_bptt:
                 state = jax.lax.stop_gradient(state)
         reset = normalize_reset(reset, bsz, seqlen)
+        block = _block_fn(check_remat(remat), cdt)
         h = self._embed(x)
         new_state = []
         for layer, s in zip(self.layers, state):
-            out, s = layer.mixer(layer.norm(h, cdt), s, reset=reset)
-            h = h + out.astype(h.dtype)
+            h, s = block(layer, h, s, reset)
             new_state.append(s)
         return self.norm_f(h, h.dtype), tuple(new_state)
 
@@ -153,3 +161,27 @@ class ResidualBackbone(nnx.Module):
             h = h + out.astype(h.dtype)
             new_state.append(s)
         return self.norm_f(h, h.dtype), tuple(new_state)
+
+
+REMAT_MODES = (None, "none", "layer")
+
+
+def check_remat(remat):
+    """None, "none", "layer" or a callable `jax.checkpoint_policies` policy; ValueError otherwise."""
+    if remat in REMAT_MODES or callable(remat):
+        return None if remat == "none" else remat
+    raise ValueError(f"remat must be None, 'none', 'layer' or a jax.checkpoint_policies policy, got {remat!r}")
+
+
+def _residual_block(layer, h, s, reset, cdt):
+    out, s = layer.mixer(layer.norm(h, cdt), s, reset=reset)
+    return h + out.astype(h.dtype), s
+
+
+def _block_fn(remat, cdt):
+    """One residual block as a function of (layer, h, state, reset), rematerialised as asked."""
+    def block(layer, h, s, reset):
+        return _residual_block(layer, h, s, reset, cdt)
+    if remat is None:
+        return block
+    return nnx.remat(block, policy=None if remat == "layer" else remat)

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jmamba.architectures import get_architecture
@@ -22,6 +23,20 @@ from jmamba.core.validation import shape_of
 from jmamba.layers.dense import Dense
 
 f32 = jnp.float32
+
+# save_pretrained / from_pretrained are implemented by jmamba.io.pretrained (the io layer reads models;
+# models do not import io), which registers them here when jmamba.io is imported.
+_PRETRAINED_IO: dict = {}
+
+
+def register_pretrained_io(save, load) -> None:
+    _PRETRAINED_IO.update(save=save, load=load)
+
+
+def _pretrained_io(name):
+    if not _PRETRAINED_IO:   # `import jmamba` (and any jmamba submodule import) registers them
+        raise RuntimeError("jmamba.io is not imported: import jmamba first")
+    return _PRETRAINED_IO[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,12 +79,36 @@ class MambaLM(nnx.Module):
     def init_state(self, batch: int):
         return self.backbone.init_state(batch)
 
-    def _check_ids(self, ids, ndim):
+    def save_pretrained(self, directory) -> str:
+        """Writes config.json + model.safetensors (float32 masters) into `directory`; returns its path."""
+        return _pretrained_io("save")(directory, self)
+
+    @classmethod
+    def from_pretrained(cls, directory, *, step=None, rngs=None) -> "MambaLM":
+        """A MambaLM from a `save_pretrained` directory, or from a training-checkpoint directory (its
+        newest step, or `step`). Strict: every weight must be there, with its shape and dtype."""
+        return _pretrained_io("load")(directory, step=step, rngs=rngs)
+
+    def _check_ids(self, ids, ndim, name="input_ids"):
         s = shape_of(ids)
         if len(s) != ndim or not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
             what = "[batch, seqlen]" if ndim == 2 else "[batch]"
-            raise ValueError(f"input_ids must be an integer array of shape {what}, got shape {s} "
+            raise ValueError(f"{name} must be an integer array of shape {what}, got shape {s} "
                              f"dtype {jnp.result_type(ids)}")
+        if not isinstance(ids, jax.core.Tracer):    # concrete ids: say which one is wrong
+            ids_np = np.asarray(ids)
+            bad = np.argwhere((ids_np < 0) | (ids_np >= self.config.vocab_size))
+            if len(bad):
+                pos = tuple(int(i) for i in bad[0])
+                raise ValueError(f"{name}{list(pos)} = {int(ids_np[pos])} is not a token id in "
+                                 f"[0, {self.config.vocab_size}) ({len(bad)} such ids)")
+
+    def _embed(self, ids):
+        """Embedding rows [..., D]; an id outside [0, vocab) (only possible under jit) embeds as NaN,
+        never as another token (no wrap-around of negative ids), so the train step's guard skips it."""
+        V = self.config.vocab_size
+        ids = jnp.where(ids < 0, V, ids)
+        return jnp.take(self.embedding[...], ids, axis=0, mode="fill", fill_value=jnp.nan)
 
     def _logits(self, y, cdt):
         if self.lm_head is None:
@@ -79,7 +118,8 @@ class MambaLM(nnx.Module):
             logits = self.lm_head(y.astype(cdt))
         return logits.astype(accum_dtype(logits.dtype))
 
-    def __call__(self, input_ids, state=None, *, reset=None, precision=None, truncate_bptt=True, **deprecated):
+    def __call__(self, input_ids, state=None, *, reset=None, precision=None, truncate_bptt=True, remat=None,
+                 **deprecated):
         """input_ids [B, T] int -> (logits [B, T, V] float32, new_state).
 
         `precision` ("f32", "bf16", "f16" or a `jmamba.Precision`; the old `compute_dtype=` still
@@ -87,14 +127,14 @@ class MambaLM(nnx.Module):
         """
         self._check_ids(input_ids, 2)
         p = as_precision(take_compute_dtype(deprecated, precision, "MambaLM.__call__"))
-        h = jnp.take(self.embedding[...], input_ids, axis=0)
-        y, state = self.backbone(h, state, reset=reset, precision=p, truncate_bptt=truncate_bptt)
+        h = self._embed(input_ids)
+        y, state = self.backbone(h, state, reset=reset, precision=p, truncate_bptt=truncate_bptt, remat=remat)
         return self._logits(y, p.compute_dtype), state
 
     def step(self, token_ids, state, *, precision=None, **deprecated):
         """token_ids [B] int -> (logits [B, V] float32, new_state)."""
-        self._check_ids(token_ids, 1)
+        self._check_ids(token_ids, 1, "token_ids")
         p = as_precision(take_compute_dtype(deprecated, precision, "MambaLM.step"))
-        h = jnp.take(self.embedding[...], token_ids, axis=0)
+        h = self._embed(token_ids)
         y, state = self.backbone.step(h, state, precision=p)
         return self._logits(y, p.compute_dtype), state

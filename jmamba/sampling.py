@@ -7,16 +7,19 @@ ties to the lowest index).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 
 def check_sampling_args(temperature, top_k, top_p, vocab_size):
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0
+            or not math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= vocab_size):
         raise ValueError(f"top_k must be None or an int in [1, {vocab_size}], got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+    if top_p is not None and not (isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
 
 

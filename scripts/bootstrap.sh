@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv from a Python >= 3.12 (PATH first, then pyenv) and install jmamba with its test extras.
+# Create .venv from a Python >= 3.12 (PATH first, then pyenv) and install jmamba with its test extras (and the optional hf, tensorboard ones, so their tests run).
 # A rerun with an up-to-date venv does nothing (the stamp holds a hash of pyproject.toml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +27,6 @@ echo "bootstrap: creating $VENV with $PY ($("$PY" --version))"
 rm -rf "$VENV"
 "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -e ".[test,plot]"
+"$VENV/bin/python" -m pip install -q -e ".[test,plot,hf,tensorboard]"
 echo "$want" > "$STAMP"
 echo "bootstrap: done"

@@ -132,22 +132,40 @@ def test_safetensors_round_trip(tmp_path):
 
 def test_main_job_trains_checkpoints_and_resumes(tmp_path, capsys):
     from jmamba.train_char_lm import main
+    from jmamba.training.metrics_log import read_metrics
     out = os.path.join(tmp_path, "run")
-    common = ["--d-model", "32", "--seq-len", "32", "--batch-size", "8", "--sample-tokens", "20", "--out", out]
+    common = ["--d-model", "32", "--seq-len", "32", "--batch-size", "8", "--sample-tokens", "20", "--out", out,
+              "--eval-every", "20"]
     assert main(["--steps", "40", "--ckpt-every", "15", *common]) == 0
     text = capsys.readouterr().out
-    for name in ("model.safetensors", "loss.png"):
+    for name in ("model.safetensors", "config.json", "loss.png", "metrics.jsonl"):
         assert os.path.isfile(os.path.join(out, name)), name
     assert sorted(os.listdir(os.path.join(out, "checkpoints")), key=int) == ["15", "30", "40"]
     first, last = [float(v) for v in text.split("loss: first step ")[1].split(" nats")[0].split(" -> last ")]
     assert last < first - 0.8, text
     assert "---- sample ----" in text
+    train, evals = read_metrics(out, split="train"), read_metrics(out, split="eval")
+    assert [r["step"] for r in train] == list(range(1, 41)) and [r["step"] for r in evals] == [20, 40]
+    for key in ("loss", "lr", "grad_norm", "skipped", "updates"):
+        assert all(isinstance(r[key], float) for r in train), key
+    assert all(isinstance(r["tokens_per_s"], float) for r in train[1:])
+    assert train[0]["lr"] == 0.0 and train[-1]["lr"] > 0   # warm-up from 0
+    assert evals[-1]["loss"] < evals[0]["loss"] and f"held-out loss: {evals[-1]['loss']:.3f}" in text
+    # the saved pretrained model is the trained one
+    lm = MambaLM.from_pretrained(out)
+    ckpt = MambaLM.from_pretrained(os.path.join(out, "checkpoints"))
+    ids = jnp.asarray(np.arange(12, dtype=np.int32).reshape(1, 12))
+    np.testing.assert_array_equal(lm(ids)[0], ckpt(ids)[0])
+
     assert main(["--steps", "45", *common]) == 0
     text = capsys.readouterr().out
     assert "resumed from" in text and "at step 40" in text
     assert "45" in os.listdir(os.path.join(out, "checkpoints"))
-    with pytest.raises(ValueError, match="d_model"):
-        main(["--steps", "80", *[c if c != "32" else "48" for c in common[:2]], *common[2:]])
+    assert [r["step"] for r in read_metrics(out, split="eval")] == [20, 40, 45]
+    assert [r["step"] for r in read_metrics(out, split="train")] == list(range(1, 46))
+    assert main(["--steps", "80", *[c if c != "32" else "48" for c in common[:2]], *common[2:]]) == 2
+    err = capsys.readouterr().err
+    assert "d_model" in err and "--fresh" in err
 
 
 def test_main_job_mamba3(tmp_path, capsys):

@@ -13,4 +13,5 @@ def test_readme_example_runs():
     scope = {}
     exec(compile(block.group(1), "README.md", "exec"), scope)
     assert int(scope["train_state"].step) == 2
+    assert scope["trained"] is not None and scope["y_trained"].shape == (8, 64, 64)
     assert scope["y"].shape == (8, 64, 64)

@@ -47,10 +47,11 @@ CONFIG_FILE = "config.json"
 # Constructor kwargs that map onto Mamba3Config fields (official name -> jmamba field).
 CONFIG_FIELDS = {"d_model": "d_model", "d_state": "d_state", "expand": "expand", "headdim": "headdim",
                  "ngroups": "ngroups", "rope_fraction": "rope_fraction", "A_floor": "A_floor",
-                 "is_outproj_norm": "is_outproj_norm", "chunk_size": "chunk_size", "dt_min": "dt_min",
+                 "is_outproj_norm": "is_outproj_norm", "dt_min": "dt_min",
                  "dt_max": "dt_max", "dt_init_floor": "dt_init_floor"}
-# Kwargs the official constructor absorbs without effect on a SISO forward.
-ABSORBED = ("dropout", "layer_idx", "n_layer", "device", "dtype", "mimo_rank")
+# Kwargs the official constructor absorbs without effect on a SISO forward (chunk_size is a kernel
+# tuning knob: jmamba.ops.tuning, not model config).
+ABSORBED = ("dropout", "layer_idx", "n_layer", "device", "dtype", "mimo_rank", "chunk_size")
 
 
 def config_from_official(kwargs: dict) -> Mamba3Config:

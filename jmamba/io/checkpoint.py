@@ -10,11 +10,15 @@ Atomicity: orbax writes a checkpoint into a temporary folder and renames it into
 complete, so a save killed half-way leaves the previous checkpoints loadable (tested by killing a
 process mid-save). Saving is synchronous (returns once the checkpoint is final).
 
+Errors: a checkpoint that cannot be read (missing, incomplete or corrupt files) raises
+`CheckpointError`, one that does not fit `like` or `config` raises `CheckpointMismatchError`; both
+are `ValueError`s and name the step and the file or field.
+
 Restoring checks before anything is read into the target: the config (when the caller passes one) and
 every key path, shape and dtype of `like`; a mismatch raises naming the field or path. Checkpoints of
 an older layout restore too: a config field that is no longer part of the config (the Mamba-3
 `chunk_size`, now a tuning knob) is ignored, and a state field added since (e.g. `TrainState.updates`)
-is filled from the leaf its class names in `checkpoint_upgrades`.
+is filled from the leaf its class names in `checkpoint_upgrades` (or with zeros).
 
 This module works on any flax dataclass pytree with a `step`; it does not import the training layer.
 """
@@ -34,6 +38,14 @@ import orbax.checkpoint as ocp
 from jmamba.configs import config_from_dict, config_to_dict, normalize_config_dict
 
 FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read: missing, incomplete or corrupt files (names the step and file)."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A readable checkpoint that does not fit: another config, architecture, optimizer or shape."""
 
 
 def _check_state(state, name):
@@ -127,8 +139,20 @@ def latest_step(directory) -> Optional[int]:
         mngr.close()
 
 
+def _step_dir(mngr, step):
+    return os.path.join(str(mngr.directory), str(step))
+
+
 def _read_meta(mngr, step):
-    return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    where = os.path.join(_step_dir(mngr, step), "meta", "metadata")
+    try:
+        meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as e:   # noqa: BLE001  (orbax raises many kinds for a damaged folder)
+        raise CheckpointError(f"checkpoint step {step} is unreadable: its metadata {where} could not be read "
+                              f"({type(e).__name__}: {e})") from e
+    if not isinstance(meta, dict) or not isinstance(meta.get("leaves"), dict):
+        raise CheckpointError(f"checkpoint step {step} is incomplete: {where} has no leaf table")
+    return meta
 
 
 def _resolve_step(mngr, directory, step):
@@ -159,7 +183,10 @@ def checkpoint_info(directory, step: Optional[int] = None) -> dict:
     """{"step", "config" (object or None), "extras"} of a checkpoint (the newest by default)."""
     with _open_checkpoint(directory, step) as (_, step, meta):
         pass
-    cfg = None if meta.get("config") is None else config_from_dict(meta["config"])   # old fields dropped
+    try:
+        cfg = None if meta.get("config") is None else config_from_dict(meta["config"])   # old fields dropped
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"checkpoint step {step} in {directory} holds an unreadable config: {e}") from e
     return {"step": step, "config": cfg, "extras": _from_jsonable(meta.get("extras", {}))}
 
 
@@ -179,18 +206,29 @@ def restore_checkpoint(directory, like, *, step: Optional[int] = None, config=No
     _check_state(like, "like")
     with _open_checkpoint(directory, step) as (mngr, step, meta):
         if meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"checkpoint format {meta.get('format_version')!r} is not {FORMAT_VERSION}")
+            raise CheckpointError(f"checkpoint step {step} in {directory} has format "
+                                  f"{meta.get('format_version')!r}, this jmamba reads {FORMAT_VERSION}")
         _check_config(meta.get("config"), config)
         flat_like = _flatten(like)
         upgrades = {k: src for k, src in getattr(type(like), "checkpoint_upgrades", {}).items()
-                    if k in flat_like and k not in meta["leaves"] and src in meta["leaves"]}
+                    if k in flat_like and k not in meta["leaves"] and (src is None or src in meta["leaves"])}
         _check_leaves(meta["leaves"], {k: v for k, v in flat_like.items() if k not in upgrades})
         # restore straight into `like`'s placement (a sharded `like` gives a sharded state)
         target = {k: jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v), sharding=getattr(v, "sharding", None))
                   for k, v in flat_like.items() if k not in upgrades}
-        flat = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
-    for k, src in upgrades.items():   # a field the checkpoint predates: copied from its source leaf
-        flat[k] = jnp.asarray(flat[src]).astype(jnp.result_type(flat_like[k]))
+        try:
+            flat = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+        except Exception as e:   # noqa: BLE001
+            raise CheckpointError(f"checkpoint step {step} is unreadable: the arrays in "
+                                  f"{os.path.join(_step_dir(mngr, step), 'state')} could not be restored "
+                                  f"({type(e).__name__}: {str(e)[:300]})") from e
+        missing = [k for k in target if k not in flat]
+        if missing:
+            raise CheckpointError(f"checkpoint step {step} is incomplete: no arrays for {missing[:5]} in "
+                                  f"{os.path.join(_step_dir(mngr, step), 'state')}")
+    for k, src in upgrades.items():   # a field the checkpoint predates: copied from its source leaf, or zeros
+        kind = jnp.result_type(flat_like[k])
+        flat[k] = jnp.zeros(np.shape(flat_like[k]), kind) if src is None else jnp.asarray(flat[src]).astype(kind)
     leaves = [jnp.asarray(flat[k]) for k in flat_like]
     return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
@@ -200,11 +238,11 @@ def _check_config(saved, given):
         return
     want = config_to_dict(given)
     if saved is None:
-        raise ValueError("the checkpoint has no config to compare with `config`")
+        raise CheckpointMismatchError("the checkpoint has no config to compare with `config`")
     saved = normalize_config_dict(saved)
     if saved != want:
         diffs = _dict_diff(saved, want)
-        raise ValueError(f"checkpoint config differs from `config`: {diffs}")
+        raise CheckpointMismatchError(f"checkpoint config differs from `config`: {diffs}")
 
 
 def _dict_diff(a, b, prefix=""):
@@ -222,10 +260,10 @@ def _check_leaves(saved: dict, flat_like: dict):
     missing = [k for k in flat_like if k not in saved]
     extra = [k for k in saved if k not in flat_like]
     if missing or extra:
-        raise ValueError(f"checkpoint structure differs from `like` (different architecture, config or "
+        raise CheckpointMismatchError(f"checkpoint structure differs from `like` (different architecture, config or "
                          f"optimizer?): missing in checkpoint {missing[:5]}, unexpected {extra[:5]}")
     for k, v in flat_like.items():
         shape, dtype = saved[k]
         if tuple(shape) != tuple(np.shape(v)) or dtype != str(jnp.result_type(v)):
-            raise ValueError(f"checkpoint leaf {k} has shape {tuple(shape)} {dtype}, `like` expects "
+            raise CheckpointMismatchError(f"checkpoint leaf {k} has shape {tuple(shape)} {dtype}, `like` expects "
                              f"{tuple(np.shape(v))} {jnp.result_type(v)}")

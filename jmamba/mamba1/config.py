@@ -75,8 +75,9 @@ class Mamba1Config:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a positive finite number, got {v!r}")
-        if not (isinstance(self.dt_init_floor, (int, float)) and self.dt_init_floor >= 0):
-            raise ValueError(f"dt_init_floor must be >= 0, got {self.dt_init_floor!r}")
+        v = self.dt_init_floor
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and math.isfinite(v)):
+            raise ValueError(f"dt_init_floor must be a finite number >= 0, got {v!r}")
         if self.dt_min > self.dt_max:
             raise ValueError(f"dt_min ({self.dt_min}) must be <= dt_max ({self.dt_max})")
         if self.dt_init not in ("random", "constant"):

@@ -126,21 +126,23 @@ class _Update:
         del extra_args
         if params is None:
             raise ValueError("fused_adamw.update needs params (the decoupled weight decay reads them)")
-        new_params, new_state, _ = _step(self.hp, updates, state, params, implementation="xla",
-                                         compute_dtype=None)
-        deltas = jax.tree.map(lambda new, old: new - old, new_params, params)
+        new_params, new_state, _, lr_ok = _step(self.hp, updates, state, params, implementation="xla",
+                                                compute_dtype=None)
+        # a refused learning rate gives a non-finite update, so a guarded train step skips and reports it
+        deltas = jax.tree.map(lambda new, old: jnp.where(lr_ok, new - old, jnp.nan), new_params, params)
         return deltas, new_state
 
     def apply(self, grads, state, params, *, grad_scale=None, skip=None):
         return _step(self.hp, grads, state, params, implementation=self.hp.implementation,
-                     compute_dtype=self.hp.compute_dtype, grad_scale=grad_scale, skip=skip)
+                     compute_dtype=self.hp.compute_dtype, grad_scale=grad_scale, skip=skip)[:3]
 
     def fused_apply(self, grads, state, params, *, grad_scale=None, skip=None):
-        """The fused-apply protocol: (new_params, new_state) of `update` + `apply_updates` on
-        `grads · grad_scale`, unchanged when `skip`; one pass over p, g, m, v."""
-        new_params, new_state, _ = _step(self.hp, grads, state, params, implementation=self.hp.implementation,
-                                         compute_dtype=None, grad_scale=grad_scale, skip=skip)
-        return new_params, new_state
+        """The fused-apply protocol: (new_params, new_state, applied) of `update` + `apply_updates` on
+        `grads · grad_scale`, unchanged when `skip` or when the learning rate is refused; one pass
+        over p, g, m, v."""
+        new_params, new_state, _, lr_ok = _step(self.hp, grads, state, params, implementation=self.hp.implementation,
+                                                compute_dtype=None, grad_scale=grad_scale, skip=skip)
+        return new_params, new_state, lr_ok
 
 
 assert FUSED_APPLY == "fused_apply"   # the protocol's attribute name is the method above
@@ -155,8 +157,10 @@ def fused_adamw(learning_rate: Union[float, optax.Schedule], b1: float = 0.9, b2
 
     Args:
       learning_rate: a float, a float32 scalar, or a schedule `count -> lr` (count before the update).
+        A step whose learning rate is non-finite or negative is refused: nothing changes (through
+        the train step it is reported as skipped).
       b1, b2: moment decay rates in [0, 1). Python floats keep the bias corrections accurate.
-      eps: added to √v̂ (after the square root), ≥ 0.
+      eps: added to √v̂ (after the square root), > 0.
       weight_decay: decoupled decay coefficient, ≥ 0.
       mask: like `optax.adamw`: a pytree of bools with the structure of the params (or a prefix of
         it), or a callable `params -> that pytree`; True = this leaf is decayed. See
@@ -175,9 +179,13 @@ def fused_adamw(learning_rate: Union[float, optax.Schedule], b1: float = 0.9, b2
     """
     if not callable(learning_rate):
         _check_scalar("learning_rate", learning_rate, lo=0.0)
+    else:
+        _check_schedule(learning_rate)
     for name, v in (("b1", b1), ("b2", b2)):
         _check_scalar(name, v, lo=0.0, hi_open=1.0)
     _check_scalar("eps", eps, lo=0.0)
+    if is_static_number(eps) and float(eps) == 0.0:
+        raise ValueError("eps must be > 0 (with eps = 0 a zero second moment divides 0 by 0)")
     _check_scalar("weight_decay", weight_decay, lo=0.0)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
@@ -218,16 +226,20 @@ def _step(hp: _Hyperparams, grads, state, params, *, implementation, compute_dty
 
     count = optax.safe_increment(state.count)
     lr = hp.learning_rate(state.count) if callable(hp.learning_rate) else hp.learning_rate
-    scalars = ops.step_scalars(learning_rate=lr, b1=hp.b1, b2=hp.b2, eps=hp.eps,
+    lr = jnp.asarray(lr, f32)
+    # A schedule that returns a non-finite or negative value would write NaN weights or climb the
+    # loss: such a step is refused (nothing changes, the count stays) and reported as not applied.
+    lr_ok = jnp.isfinite(lr) & (lr >= 0)
+    skip = jnp.logical_not(lr_ok) if skip is None else jnp.logical_or(jnp.asarray(skip, bool), ~lr_ok)
+    scalars = ops.step_scalars(learning_rate=jnp.where(lr_ok, lr, 0.0), b1=hp.b1, b2=hp.b2, eps=hp.eps,
                                weight_decay=hp.weight_decay, step=count, grad_scale=grad_scale, skip=skip)
     new_p, new_m, new_v, new_c = ops.adamw_update(p_leaves, g_leaves, m_leaves, v_leaves, scalars, decay,
                                                   compute_dtype=compute_dtype, implementation=implementation,
                                                   tuning=hp.tuning)
-    if skip is not None:
-        count = jnp.where(jnp.asarray(skip, bool), state.count, count)
+    count = jnp.where(skip, state.count, count)
     new_state = FusedAdamWState(count=count, mu=treedef.unflatten(new_m), nu=treedef.unflatten(new_v))
     compute_params = None if new_c is None else treedef.unflatten(new_c)
-    return treedef.unflatten(new_p), new_state, compute_params
+    return treedef.unflatten(new_p), new_state, compute_params, lr_ok
 
 
 def _leaves_like(name, tree, treedef, p_leaves):
@@ -260,6 +272,23 @@ def decay_flags(mask, params, n_leaves: int) -> list[bool]:
             raise TypeError(f"mask leaves must be concrete Python bools (True = decay), got {f!r}")
         out.append(bool(f))
     return out
+
+
+def _check_schedule(schedule):
+    """A schedule's first value must be a finite number >= 0 (checked once, on the host); later values
+    that are not are refused step by step (see `_step`)."""
+    try:
+        first = schedule(0)
+    except Exception as e:   # noqa: BLE001  (any failure means it is not a schedule of the count)
+        raise TypeError(f"learning_rate must be a number or a schedule count -> lr; calling it with 0 failed: "
+                        f"{type(e).__name__}: {e}") from None
+    if not isinstance(first, jax.core.Tracer):
+        try:
+            x = float(first)
+        except (TypeError, ValueError):
+            raise TypeError(f"learning_rate schedule must return a scalar, got {type(first).__name__}") from None
+        if not (x >= 0.0 and x < float("inf")):
+            raise ValueError(f"learning_rate schedule must return finite values >= 0, got {x} at count 0")
 
 
 def _check_scalar(name, v, *, lo, hi_open=None):

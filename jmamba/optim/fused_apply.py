@@ -4,11 +4,14 @@ A train step normally runs `updates, state = tx.update(grads, state, params)` an
 `params = optax.apply_updates(params, updates)`: two passes over the parameters, plus one to scale
 the gradients for loss scaling or clipping. A transformation can offer to do all of it at once:
 
-    tx.update.fused_apply(grads, state, params, *, grad_scale=None, skip=None) -> (params, state)
+    tx.update.fused_apply(grads, state, params, *, grad_scale=None, skip=None)
+        -> (params, state)  or  (params, state, applied)
 
 must return what `update` + `apply_updates` would give for the gradients `grads · grad_scale`
 (grad_scale a float32 scalar or None = 1), and `(params, state)` unchanged where the bool scalar
-`skip` is True. `jmamba.fused_adamw` offers it (one Pallas pass over p, g, m, v on GPU).
+`skip` is True. A third result, a bool scalar, says whether the step was applied (a transformation
+may refuse a step itself, e.g. a non-finite learning rate). `jmamba.fused_adamw` offers it (one
+Pallas pass over p, g, m, v on GPU).
 
 `find_fused_apply(tx)` finds it on `tx` itself or, when `tx` is an `optax.chain(...)`, on the chain's
 last element: the elements before it (e.g. `optax.clip_by_global_norm`, `optax.masked(...)`)
@@ -53,7 +56,7 @@ def _find(update_fn) -> Optional[Callable]:
         return None
     prefix = elements[:-1]
     if not prefix:
-        return lambda grads, state, params, **kw: _with_state(last(grads, state[0], params, **kw))
+        return lambda grads, state, params, **kw: _as_chain_result(last(grads, state[0], params, **kw), ())
 
     def chain_apply(grads, state, params, *, grad_scale=None, skip=None):
         if grad_scale is not None:   # the elements before the last must see the scaled gradients
@@ -64,15 +67,18 @@ def _find(update_fn) -> Optional[Callable]:
             if skip is not None:
                 s_new = jax.tree.map(lambda new, old: jnp.where(skip, old, new), s_new, s)
             new_states.append(s_new)
-        params, last_state = last(grads, state[-1], params, grad_scale=None, skip=skip)
-        return params, tuple(new_states) + (last_state,)
+        result = last(grads, state[-1], params, grad_scale=None, skip=skip)
+        if len(result) == 3:   # the last element refused the step: the earlier states are kept too
+            new_states = [jax.tree.map(lambda new, old: jnp.where(result[2], new, old), s_new, s)
+                          for s_new, s in zip(new_states, state[:-1])]
+        return _as_chain_result(result, tuple(new_states))
 
     return chain_apply
 
 
-def _with_state(result):
-    params, state = result
-    return params, (state,)
+def _as_chain_result(result, earlier_states):
+    """The last element's (params, state[, applied]) with the chain's state tuple."""
+    return (result[0], earlier_states + (result[1],)) + tuple(result[2:])
 
 
 def find_fused_apply(tx) -> Optional[Callable]:

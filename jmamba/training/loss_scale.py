@@ -13,6 +13,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jmamba.training.guard import all_finite  # noqa: F401  (re-exported: the f16 overflow check)
+
 INITIAL_SCALE = 2.0 ** 16
 GROWTH_FACTOR = 2.0
 BACKOFF_FACTOR = 0.5
@@ -37,14 +39,6 @@ class DynamicLossScale(NamedTuple):
         if not MIN_SCALE <= initial_scale <= MAX_SCALE:
             raise ValueError(f"initial_scale must be in [{MIN_SCALE}, {MAX_SCALE}], got {initial_scale}")
         return cls(jnp.asarray(initial_scale, jnp.float32), jnp.zeros((), jnp.int32))
-
-
-def all_finite(tree) -> jax.Array:
-    """True when every element of every leaf is finite (bool scalar)."""
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        return jnp.asarray(True)
-    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
 
 
 def update_loss_scale(ls: DynamicLossScale, finite: jax.Array) -> DynamicLossScale:

@@ -6,8 +6,10 @@
 
 `optimizer` is an `optax.GradientTransformation` or an `optax.MultiSteps`. When the transformation
 offers a fused apply (`jmamba.optim.fused_apply`: `fused_adamw`, alone or last in an `optax.chain`),
-the gradient factor and the skip go into that one pass; otherwise the gradients are multiplied by
-each factor in turn, then `update` + `apply_updates` run under a `lax.cond` that skips them.
+the gradient factor and the skip go into that one pass (the fused apply may refuse a step itself,
+e.g. `fused_adamw` with a non-finite or negative learning rate); otherwise the gradients are
+multiplied by each factor in turn, then `update` + `apply_updates` run under a `lax.cond` that skips
+them, or, under the non-finite guard, are computed and kept only when the update is finite.
 A fused transformation that cannot run fused (e.g. inside `optax.MultiSteps`) is reported with one
 warning per optimizer, naming why.
 
@@ -28,6 +30,7 @@ import optax
 
 from jmamba.optim.fused_adamw import FusedAdamWState
 from jmamba.optim.fused_apply import explain_unfused, find_fused_apply
+from jmamba.training.guard import all_finite
 
 _WARNED: set = set()
 
@@ -70,7 +73,7 @@ class OptimizerPlan:
             _WARNED.add(id(self))
             warnings.warn(f"the fused optimizer kernel is not used: {why}", stacklevel=4)
 
-    def apply(self, grads, opt_state, params, *, factors=(), skip=None):
+    def apply(self, grads, opt_state, params, *, factors=(), skip=None, check_update=False):
         """One optimizer step on `grads · Π factors`.
 
         Args:
@@ -78,6 +81,8 @@ class OptimizerPlan:
           factors: float32 scalars multiplying the gradients (e.g. 1/loss_scale, the clip factor),
             applied in this order.
           skip: None or a bool scalar; True leaves params and optimizer state unchanged.
+          check_update: also skip when the update itself is non-finite (the non-finite guard). A
+            fused apply checks its own inputs (finite gradients and scalars give a finite update).
 
         Returns:
           (params, opt_state, applied bool scalar, updated bool scalar).
@@ -85,18 +90,28 @@ class OptimizerPlan:
         applied = jnp.asarray(True) if skip is None else jnp.logical_not(skip)
         if self.fused is not None:
             grad_scale = functools.reduce(jnp.multiply, factors) if factors else None
-            params, opt_state = self.fused(grads, opt_state, params, grad_scale=grad_scale, skip=skip)
+            out = self.fused(grads, opt_state, params, grad_scale=grad_scale, skip=skip)
+            params, opt_state = out[:2]
+            if len(out) == 3:            # the fused apply refused the step itself (e.g. a bad learning rate)
+                applied = jnp.logical_and(applied, out[2])
             return params, opt_state, applied, applied
         for f in factors:
             grads = jax.tree.map(lambda g: g * f, grads)
 
-        def update(_):
+        if check_update:
             updates, new_state = self.tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), new_state
+            applied = jnp.logical_and(applied, all_finite(updates))
+            new_params = optax.apply_updates(params, updates)
+            params = jax.tree.map(lambda new, old: jnp.where(applied, new, old), new_params, params)
+            opt_state = jax.tree.map(lambda new, old: jnp.where(applied, new, old), new_state, opt_state)
+        else:
+            def update(_):
+                updates, new_state = self.tx.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), new_state
 
-        def keep(_):
-            return params, opt_state
+            def keep(_):
+                return params, opt_state
 
-        params, opt_state = update(None) if skip is None else jax.lax.cond(applied, update, keep, None)
+            params, opt_state = update(None) if skip is None else jax.lax.cond(applied, update, keep, None)
         updated = applied if self.has_updated is None else jnp.logical_and(applied, self.has_updated(opt_state))
         return params, opt_state, applied, updated

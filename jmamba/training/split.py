@@ -25,14 +25,16 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jmamba.backbone import check_remat
 from jmamba.core.axes import DATA_AXIS
-from jmamba.core.validation import shape_of
+from jmamba.core.validation import check_bool, shape_of
 from jmamba.parallel import shard_batch, shard_state
 from jmamba.training.clipping import check_max_norm
 from jmamba.training.optimizer_update import check_optimizer
 from jmamba.training.step_core import apply_gradients, forward_with_vjp
 from jmamba.training.train_state import TrainState, check_precision
-from jmamba.training.train_step import check_batch, check_d_out, check_state_for_step
+from jmamba.training.train_step import (check_batch, check_d_out, check_host_token_ids, check_state_for_step,
+                                       token_vocab)
 
 _TOKENS = itertools.count(1)
 
@@ -51,6 +53,7 @@ class ForwardContext:
       token: identifies the forward; the TrainState it returned carries the same token.
       mesh: the device mesh the forward ran on (None: one device).
       consumed: True once a backward_step used it.
+      state_rows_reset: int32 count of recurrent-state rows the guard restarted from zeros.
     """
 
     def __init__(self, vjp_fn, outputs_shape, precision, token, mesh=None):
@@ -60,23 +63,25 @@ class ForwardContext:
         self.token = token
         self.mesh = mesh
         self.consumed = False
+        self.state_rows_reset = 0
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "precision", "truncate_bptt"))
-def _forward_jit(params, recurrent_state, batch, *, graphdef, precision, truncate_bptt):
+@functools.partial(jax.jit, static_argnames=("graphdef", "precision", "truncate_bptt", "guard", "remat"))
+def _forward_jit(params, recurrent_state, batch, *, graphdef, precision, truncate_bptt, guard, remat):
     return forward_with_vjp(graphdef, params, recurrent_state, batch, precision=precision,
-                            truncate_bptt=truncate_bptt)
+                            truncate_bptt=truncate_bptt, guard=guard, remat=remat)
 
 
-@functools.partial(jax.jit, static_argnames=("optimizer", "clip_max_norm", "accumulate_only"),
+@functools.partial(jax.jit, static_argnames=("optimizer", "clip_max_norm", "accumulate_only", "guard"),
                    donate_argnums=(0,))
-def _backward_jit(state, vjp_fn, d_out, *, optimizer, clip_max_norm, accumulate_only):
+def _backward_jit(state, vjp_fn, d_out, *, optimizer, clip_max_norm, accumulate_only, guard):
     return apply_gradients(state, vjp_fn, d_out, state.recurrent_state, optimizer,
-                           clip_max_norm=clip_max_norm, accumulate_only=accumulate_only)
+                           clip_max_norm=clip_max_norm, accumulate_only=accumulate_only, guard=guard)
 
 
 def forward(model: nnx.Module, state: TrainState, batch: dict, *, precision="f32",
-            truncate_bptt: bool = True, mesh=None, fsdp: bool = False):
+            truncate_bptt: bool = True, mesh=None, fsdp: bool = False, nonfinite_guard: bool = True,
+            remat=None):
     """Training forward from the carried state.
 
     Args:
@@ -87,6 +92,9 @@ def forward(model: nnx.Module, state: TrainState, batch: dict, *, precision="f32
       truncate_bptt: see `make_train_step`.
       mesh, fsdp: run data-parallel on this mesh (see `make_train_step`); the state and batch are
         placed on it (a no-op when `jmamba.parallel.shard_state`/`shard_batch` already did).
+      nonfinite_guard: restart recurrent-state rows that leave the window non-finite from zeros
+        (`ctx.state_rows_reset` counts them); see `make_train_step`.
+      remat: activation memory (see `make_train_step`).
 
     Returns:
       (outputs float32 [B, T, ...], ctx: ForwardContext, new_state with the advanced recurrent state).
@@ -96,19 +104,25 @@ def forward(model: nnx.Module, state: TrainState, batch: dict, *, precision="f32
     if state.pending_forward is not None:
         raise RuntimeError("another forward is pending: run its backward_step first")
     check_batch(batch, need_d_out=False)
+    check_bool("nonfinite_guard", nonfinite_guard)
+    vocab_size = token_vocab(model)
+    if vocab_size is not None:
+        check_host_token_ids(batch, vocab_size)
     with _on_mesh(mesh):
         if mesh is not None:
             state, batch = shard_state(state, mesh, fsdp=fsdp), shard_batch(batch, mesh)
-        outputs, vjp_fn, new_rec = _forward_jit(state.params, state.recurrent_state, batch,
-                                                graphdef=nnx.graphdef(model), precision=precision,
-                                                truncate_bptt=truncate_bptt)
+        outputs, vjp_fn, (new_rec, rows_reset) = _forward_jit(
+            state.params, state.recurrent_state, batch, graphdef=nnx.graphdef(model), precision=precision,
+            truncate_bptt=truncate_bptt, guard=nonfinite_guard, remat=check_remat(remat))
     token = next(_TOKENS)
     ctx = ForwardContext(vjp_fn, shape_of(outputs), precision, token, mesh)
+    ctx.state_rows_reset = rows_reset
     return outputs, ctx, state.replace(recurrent_state=new_rec, pending_forward=token)
 
 
 def backward_step(optimizer, state: TrainState, ctx: ForwardContext, d_out, *,
-                  clip_max_norm: Optional[float] = None, accumulate_only: bool = False):
+                  clip_max_norm: Optional[float] = None, accumulate_only: bool = False,
+                  nonfinite_guard: bool = True):
     """Backward for `ctx`'s forward, then clip and optimizer (or only accumulate the gradients).
 
     Args:
@@ -118,6 +132,8 @@ def backward_step(optimizer, state: TrainState, ctx: ForwardContext, d_out, *,
       d_out: ∂loss/∂outputs, the shape of the forward's outputs.
       clip_max_norm: global-norm clipping (torch semantics) on the applying call; None = off.
       accumulate_only: add the gradients to `state.grad_accum` and stop (no clip, no optimizer).
+      nonfinite_guard: skip the step (or the accumulation) when the gradients or the update are
+        non-finite (see `make_train_step`).
 
     Returns:
       (new_state, metrics).
@@ -133,6 +149,7 @@ def backward_step(optimizer, state: TrainState, ctx: ForwardContext, d_out, *,
     if state.pending_forward != ctx.token:
         raise RuntimeError("backward_step without its forward: ctx does not belong to this state's pending forward")
     check_max_norm(clip_max_norm)
+    check_bool("nonfinite_guard", nonfinite_guard)
     check_d_out(d_out, jax.ShapeDtypeStruct(ctx.outputs_shape, "float32"))
     if accumulate_only:
         if clip_max_norm is not None:
@@ -148,7 +165,7 @@ def backward_step(optimizer, state: TrainState, ctx: ForwardContext, d_out, *,
             d_out = jax.device_put(d_out, NamedSharding(ctx.mesh, PartitionSpec(DATA_AXIS)))
         new_state, metrics = _backward_jit(state.replace(pending_forward=None), ctx.vjp_fn, d_out,
                                            optimizer=optimizer, clip_max_norm=clip_max_norm,
-                                           accumulate_only=accumulate_only)
+                                           accumulate_only=accumulate_only, guard=nonfinite_guard)
     ctx.consumed = True
     ctx.vjp_fn = None   # release the residuals
     return new_state, metrics

@@ -13,10 +13,14 @@ Because `make_train_step` and `forward`/`backward_step` run exactly these functi
 puts an optimization barrier between them so XLA cannot fuse across), the two paths give
 bit-identical results.
 
-float16: the caller's d_out is multiplied by the loss scale before the backward pass; a step whose
-gradients hold inf/NaN is skipped (params, optimizer state, step counters and accumulator stay
-bit-identical; the scale halves). The recurrent state advances on every step, skipped or not: the
-window was consumed, and the next window continues the stream.
+The non-finite guard (`guard`, on by default; docs/numerics.md §10, `jmamba.training.guard`): a step
+whose loss, gradients or update is non-finite is skipped (params, optimizer state, step counters and
+accumulator stay bit-identical; `metrics["skipped"]`, `TrainState.consecutive_skips`), in every
+precision; a recurrent-state row that leaves the window non-finite restarts from zeros
+(`metrics["state_rows_reset"]`). float16: the caller's d_out is multiplied by the loss scale before
+the backward pass; a step whose gradients hold inf/NaN is skipped with or without the guard and the
+scale halves. The recurrent state advances on every step, skipped or not: the window was consumed,
+and the next window continues the stream.
 """
 
 from __future__ import annotations
@@ -28,45 +32,67 @@ from flax import nnx
 from jmamba.core.precision import as_precision
 from jmamba.training import accumulation
 from jmamba.training.clipping import clip_coefficient, global_norm
-from jmamba.training.loss_scale import all_finite, scale_cotangent, unscale_factor, update_loss_scale
+from jmamba.training.guard import all_finite, restart_nonfinite_rows
+from jmamba.training.loss_scale import scale_cotangent, unscale_factor, update_loss_scale
 from jmamba.training.optimizer_update import OptimizerPlan
 from jmamba.training.train_state import TrainState
 
 f32 = jnp.float32
 
 
-def forward_with_vjp(graphdef, params, recurrent_state, batch, *, precision, truncate_bptt):
+def forward_with_vjp(graphdef, params, recurrent_state, batch, *, precision, truncate_bptt, guard=True,
+                     remat=None):
     """Runs the model on batch["inputs"] from `recurrent_state`.
 
     Returns:
-      (outputs float32, vjp_fn (a pytree holding the residuals), new recurrent state).
+      (outputs float32, vjp_fn (a pytree holding the residuals), (new recurrent state, number of its
+      rows restarted from zeros because they were non-finite; always 0 without the guard)).
     """
     precision = as_precision(precision)
 
     def run(p):
         model = nnx.merge(graphdef, p)
+        extra = {} if remat is None else {"remat": remat}
         out, new_state = model(batch["inputs"], recurrent_state, reset=batch.get("reset"),
-                               precision=precision, truncate_bptt=truncate_bptt)
-        return out.astype(f32), jax.lax.stop_gradient(new_state)
+                               precision=precision, truncate_bptt=truncate_bptt, **extra)
+        new_state = jax.lax.stop_gradient(new_state)
+        if guard:
+            new_state, n_reset = restart_nonfinite_rows(new_state)
+        else:
+            n_reset = jnp.zeros((), jnp.int32)
+        return out.astype(f32), (new_state, n_reset)
 
-    return jax.vjp(run, params, has_aux=True)
+    outputs, vjp_fn, aux = jax.vjp(run, params, has_aux=True)
+    return outputs, vjp_fn, aux
 
 
 def apply_gradients(state: TrainState, vjp_fn, d_out, new_recurrent_state, optimizer, *,
-                    clip_max_norm, accumulate_only):
-    """Back-propagates d_out through vjp_fn and updates the state. Returns (new_state, metrics)."""
+                    clip_max_norm, accumulate_only, guard=True, loss=None):
+    """Back-propagates d_out through vjp_fn and updates the state. Returns (new_state, metrics).
+
+    `loss` (a float32 scalar, or None in the d_out mode) takes part in the guard's finite check.
+    """
     metrics = {}
     ls = state.loss_scale
     (grads,) = vjp_fn(scale_cotangent(d_out, ls).astype(f32))
     grads = jax.tree.map(lambda g: g.astype(f32), grads)
 
+    # what makes this step unusable: an f16 overflow (always), any non-finite value (the guard)
+    grads_finite = all_finite(grads) if (ls is not None or guard) else None
+    ok = grads_finite
+    if guard and loss is not None:
+        ok = jnp.logical_and(ok, jnp.isfinite(loss))
+
     if accumulate_only:
-        return state.replace(grad_accum=accumulation.add(state.grad_accum, grads),
-                             recurrent_state=new_recurrent_state, accumulating=True), metrics
+        accum = accumulation.add(state.grad_accum, grads)
+        if ok is not None:
+            accum = jax.tree.map(lambda new, old: jnp.where(ok, new, old), accum, state.grad_accum)
+            metrics["skipped"] = jnp.logical_not(ok)
+        return state.replace(grad_accum=accum, recurrent_state=new_recurrent_state, accumulating=True,
+                             consecutive_skips=_skips(state, ok)), metrics
 
     # Loss scales are powers of two, so unscaling (and folding 1/scale into another factor) is exact.
     inv_scale = unscale_factor(ls)
-    finite = None if ls is None else all_finite(grads)
     grads = accumulation.total(state, grads)
     norm = global_norm(grads) if inv_scale is None else global_norm(grads) * inv_scale
     metrics["grad_norm"] = norm
@@ -78,16 +104,26 @@ def apply_gradients(state: TrainState, vjp_fn, d_out, new_recurrent_state, optim
     plan.warn_if_unfused(state.opt_state)
     params, opt_state, applied, updated = plan.apply(
         grads, state.opt_state, state.params, factors=factors,
-        skip=None if finite is None else jnp.logical_not(finite))
+        skip=None if ok is None else jnp.logical_not(ok), check_update=guard)
     step = state.step + applied.astype(state.step.dtype)
     updates = state.updates + updated.astype(state.updates.dtype)
     if ls is not None:
         metrics["loss_scale"] = ls.scale
-        metrics["overflow_skipped"] = jnp.logical_not(finite)
-        ls = update_loss_scale(ls, finite)
+        metrics["overflow_skipped"] = jnp.logical_not(grads_finite)
+        ls = update_loss_scale(ls, grads_finite)
+    metrics["skipped"] = jnp.logical_not(applied)
     new_state = state.replace(params=params, opt_state=opt_state, step=step, updates=updates,
                               grad_accum=accumulation.after_apply(state.grad_accum, applied),
-                              recurrent_state=new_recurrent_state, loss_scale=ls, accumulating=False)
+                              recurrent_state=new_recurrent_state, loss_scale=ls, accumulating=False,
+                              consecutive_skips=_skips(state, applied))
     metrics["step"] = step
     metrics["updates"] = updates
+    metrics["consecutive_skips"] = new_state.consecutive_skips
     return new_state, metrics
+
+
+def _skips(state, applied):
+    """consecutive_skips after this call: 0 when it applied, +1 when it was skipped."""
+    if applied is None:
+        return jnp.zeros_like(state.consecutive_skips)
+    return jnp.where(applied, 0, state.consecutive_skips + 1).astype(state.consecutive_skips.dtype)

@@ -9,6 +9,8 @@ Fields (arrays):
     a micro-step.
   updates: int32 scalar, the number of optimizer updates that changed the parameters (equal to
     `step` except under `optax.MultiSteps`, which updates every k-th micro-step).
+  consecutive_skips: int32 scalar, how many steps in a row the non-finite guard (or the f16 loss
+    scaler) skipped; 0 after an applied step.
   loss_scale: `DynamicLossScale` for float16 training, else None.
   grad_accum: float32 gradient accumulator (same tree as params) when created with `accumulate=True`.
 
@@ -50,13 +52,15 @@ class TrainState(struct.PyTreeNode):
     recurrent_state: Any = struct.field(metadata=_placement("rows"))
     step: jax.Array = struct.field(metadata=_placement("replicated"))
     updates: jax.Array = struct.field(metadata=_placement("replicated"), default=None)
+    consecutive_skips: jax.Array = struct.field(metadata=_placement("replicated"), default=None)
     loss_scale: Optional[DynamicLossScale] = struct.field(metadata=_placement("replicated"), default=None)
     grad_accum: Any = struct.field(metadata=_placement("weights"), default=None)
     accumulating: bool = struct.field(pytree_node=False, default=False)
     pending_forward: Optional[int] = struct.field(pytree_node=False, default=None)
 
-    # Checkpoints written before a field existed restore it from another leaf (see jmamba.io.checkpoint).
-    checkpoint_upgrades = {".updates": ".step"}
+    # Checkpoints written before a field existed restore it from another leaf, or as zeros for None
+    # (see jmamba.io.checkpoint).
+    checkpoint_upgrades = {".updates": ".step", ".consecutive_skips": None}
 
     @classmethod
     def create(cls, model: nnx.Module, optimizer, batch_size: int,
@@ -84,8 +88,30 @@ class TrainState(struct.PyTreeNode):
         return cls(params=params, opt_state=optimizer.init(params),
                    recurrent_state=model.init_state(batch_size),
                    step=jnp.zeros((), jnp.int32), updates=jnp.zeros((), jnp.int32),
+                   consecutive_skips=jnp.zeros((), jnp.int32),
                    loss_scale=DynamicLossScale.create() if precision.needs_loss_scale else None,
                    grad_accum=jax.tree.map(jnp.zeros_like, params) if accumulate else None)
+
+    def to_model(self, model: nnx.Module) -> nnx.Module:
+        """A copy of `model` (the same structure) holding this state's trained parameters.
+
+        The arrays are copied, so the returned model stays valid when this state is later donated
+        to a train step (which updates the parameters in place). `model` itself is not changed.
+
+        Raises:
+          RuntimeError when this TrainState was already donated (use the state the step returned).
+        """
+        if not isinstance(model, nnx.Module):
+            raise TypeError(f"model must be the nnx.Module this state trains, got {type(model).__name__}")
+        leaves = jax.tree.leaves(self.params)
+        if any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
+            raise RuntimeError("this TrainState was donated to a train step and its arrays are gone; call "
+                               "to_model on the state the step returned")
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        if jax.tree.structure(params) != jax.tree.structure(self.params):
+            raise ValueError("model does not have the parameter structure of this TrainState "
+                             "(a model of another config or architecture?)")
+        return nnx.merge(graphdef, jax.tree.map(jnp.copy, self.params), rest)
 
     def reset_recurrent_state(self, rows=None) -> "TrainState":
         """Zeroes the carried state (all rows, or rows where the [B] bool mask `rows` is True)."""

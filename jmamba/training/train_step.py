@@ -14,8 +14,9 @@ ids for `MambaLM`), optional `reset` ([B] or [B, T] bool), `d_out` in the second
 else `loss_fn` reads (e.g. `targets`).
 
 Order inside the step: forward (compute dtype) -> loss -> d_out · loss_scale -> backward -> finite
-check (f16) -> unscale -> global norm -> clip -> optimizer. Metrics: `step`, `updates`, `loss`
-(loss_fn mode), `grad_norm` (pre-clip, unscaled), `loss_scale` and `overflow_skipped` (f16).
+check -> unscale -> global norm -> clip -> optimizer. Metrics: `step`, `updates`, `loss` (loss_fn
+mode), `grad_norm` (pre-clip, unscaled), `skipped`, `consecutive_skips`, `state_rows_reset`,
+`invalid_tokens` (MambaLM), `loss_scale` and `overflow_skipped` (f16).
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from jmamba.core.validation import shape_of
+from jmamba.core.validation import check_bool, shape_of
+from jmamba.backbone import check_remat
+from jmamba.lm import MambaLM
 from jmamba.training.clipping import check_max_norm
 from jmamba.training.optimizer_update import check_optimizer
 from jmamba.training.step_core import apply_gradients, forward_with_vjp
@@ -38,7 +42,8 @@ f32 = jnp.float32
 def make_train_step(model: nnx.Module, optimizer, *,
                     loss_fn: Optional[Callable] = None, precision="f32",
                     clip_max_norm: Optional[float] = None, truncate_bptt: bool = True,
-                    donate: bool = True, jit: bool = True, mesh=None, fsdp: bool = False):
+                    donate: bool = True, jit: bool = True, mesh=None, fsdp: bool = False,
+                    nonfinite_guard: bool = True, remat=None):
     """Builds the training step for `model` (its structure; parameters come from the TrainState).
 
     Args:
@@ -61,6 +66,16 @@ def make_train_step(model: nnx.Module, optimizer, *,
         split, `fsdp=True`); XLA all-reduces the gradients. Input arrays should be uncommitted or
         placed with `jmamba.parallel.shard_state` / `shard_batch`.
       fsdp: with `mesh`, shard parameters and optimizer state over `data` as well.
+      nonfinite_guard: skip steps whose loss, gradients or update are non-finite and restart
+        non-finite recurrent-state rows from zeros (default; `jmamba.training.guard`). False applies
+        whatever the step computed, as PyTorch does (float16 overflow steps are still skipped).
+      remat: activation memory of the backward pass: None (save everything), "layer" (recompute
+        each residual block), or a `jax.checkpoint_policies` policy per block (see
+        `ResidualBackbone.__call__`).
+
+    For a `MambaLM`, token ids outside [0, vocab) raise a ValueError naming the batch key and
+    position when the batch is a host (numpy) array; on the device they are counted in
+    `metrics["invalid_tokens"]`, embed as NaN, and the guard skips the step.
 
     Returns:
       step(state, batch) -> (new_state, metrics).
@@ -70,14 +85,21 @@ def make_train_step(model: nnx.Module, optimizer, *,
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
     check_optimizer(optimizer)
+    check_bool("nonfinite_guard", nonfinite_guard)
+    remat = check_remat(remat)
     graphdef = nnx.graphdef(model)
+    vocab_size = token_vocab(model)
 
     def core(state: TrainState, batch):
-        outputs, vjp_fn, new_rec = forward_with_vjp(graphdef, state.params, state.recurrent_state, batch,
-                                                    precision=precision, truncate_bptt=truncate_bptt)
+        outputs, vjp_fn, (new_rec, rows_reset) = forward_with_vjp(
+            graphdef, state.params, state.recurrent_state, batch, precision=precision,
+            truncate_bptt=truncate_bptt, guard=nonfinite_guard, remat=remat)
         # Same two halves as the split API; the barrier keeps XLA from fusing across them.
         outputs, vjp_fn, new_rec = jax.lax.optimization_barrier((outputs, vjp_fn, new_rec))
-        metrics = {}
+        metrics = {"state_rows_reset": rows_reset}
+        loss = None
+        if vocab_size is not None:
+            metrics["invalid_tokens"] = count_invalid_tokens(batch["inputs"], vocab_size)
         if loss_fn is None:
             d_out = batch["d_out"]
             check_d_out(d_out, outputs)
@@ -91,7 +113,8 @@ def make_train_step(model: nnx.Module, optimizer, *,
             metrics.update(aux)
             metrics["loss"] = loss
         new_state, m = apply_gradients(state, vjp_fn, d_out, new_rec, optimizer,
-                                       clip_max_norm=clip_max_norm, accumulate_only=False)
+                                       clip_max_norm=clip_max_norm, accumulate_only=False,
+                                       guard=nonfinite_guard, loss=loss)
         metrics.update(m)
         return new_state, metrics
 
@@ -111,6 +134,8 @@ def make_train_step(model: nnx.Module, optimizer, *,
         if state.pending_forward is not None:
             raise RuntimeError("a split-API forward is pending: call backward_step for it before the fused step")
         check_batch(batch, need_d_out=loss_fn is None)
+        if vocab_size is not None:
+            check_host_token_ids(batch, vocab_size)
         return compiled(state, batch)
 
     step.compiled = compiled   # the jitted core (e.g. for `_cache_size()` or lowering)
@@ -164,3 +189,28 @@ def check_d_out(d_out, outputs):
                          f"got {shape_of(d_out)}")
     if not jnp.issubdtype(jnp.result_type(d_out), jnp.floating):
         raise TypeError(f"d_out must be floating, got dtype {jnp.result_type(d_out)}")
+
+
+def token_vocab(model):
+    """The vocabulary size when `model` reads token ids (a `MambaLM`), else None."""
+    return model.config.vocab_size if isinstance(model, MambaLM) else None
+
+
+def count_invalid_tokens(ids, vocab_size):
+    """int32 count of ids outside [0, vocab_size) (traceable)."""
+    ids = jnp.asarray(ids)
+    return jnp.sum((ids < 0) | (ids >= vocab_size)).astype(jnp.int32)
+
+
+def check_host_token_ids(batch, vocab_size, key="inputs"):
+    """ValueError naming the first out-of-range id when batch[key] is a host (numpy) array.
+
+    Device arrays are not read back here (that would stall the step); the step counts them instead."""
+    ids = batch.get(key)
+    if not isinstance(ids, np.ndarray) or not np.issubdtype(ids.dtype, np.integer):
+        return
+    bad = np.argwhere((ids < 0) | (ids >= vocab_size))
+    if len(bad):
+        pos = tuple(int(i) for i in bad[0])
+        raise ValueError(f"batch[{key!r}]{list(pos)} = {int(ids[pos])} is not a token id in [0, {vocab_size}) "
+                         f"({len(bad)} such ids in the batch)")

@@ -44,7 +44,8 @@ import jax.numpy as jnp
 from jmamba.core.validation import check_array, check_bool, check_float, normalize_reset, shape_of
 from jmamba.ops import dispatch
 from jmamba.ops.batch_sharding import call_batch_sharded
-from jmamba.ops.mamba3_siso_scan.common import Mamba3ScanState, Mamba3ScanTuning
+from jmamba.core.dtypes import accum_dtype
+from jmamba.ops.mamba3_siso_scan.common import Mamba3ScanState, Mamba3ScanTuning, zero_states
 from jmamba.ops.tuning import current_tuning, register_tuning
 
 OP = "mamba3_siso_scan"
@@ -88,12 +89,26 @@ def mamba3_siso_scan(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, z=N
     args = normalize_arguments(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, z, initial_state, reset)
     check_bool("return_final_state", return_final_state)
     Q, _, V, _, _, _, _, _, Angles, _, _, states, reset = args
+    if shape_of(V)[1] == 0:   # an empty window: nothing to scan, the state passes through
+        return _empty_window(V, Q, Angles, states, return_final_state)
     impl = dispatch.choose(OP, implementation, Q=Q, V=V, Angles=Angles, initial_state=states,
                            reset=reset, tuning=tuning)
     # batched: Q K V ADT DT Trap | biases replicated | Angles batched, D replicated, z, state, reset batched
     out, final = call_batch_sharded(impl.fn, args, (True,) * 6 + (False, False, True, False, True, True, True),
                                     tuning=tuning)
     return (out, Mamba3ScanState(*final)) if return_final_state else out
+
+
+def _empty_window(V, Q, Angles, states, return_final_state):
+    bsz, _, H, P = shape_of(V)
+    N, S = shape_of(Q)[-1], shape_of(Angles)[-1]
+    out = jnp.zeros((bsz, 0, H, P), V.dtype)
+    if not return_final_state:
+        return out
+    acc = accum_dtype(V.dtype, *([] if states is None else [s.dtype for s in states]))
+    final = (zero_states(bsz, H, P, N, S, acc) if states is None
+             else Mamba3ScanState(*(s.astype(acc) for s in states)))
+    return out, final
 
 
 def normalize_arguments(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, z, initial_state, reset):

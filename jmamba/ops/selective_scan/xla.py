@@ -35,6 +35,14 @@ def _combine(left, right):
     return a1 * a2, a2 * b1 + b2
 
 
+def _combine_with_resets(left, right):
+    """`_combine` for segments: a right element that starts at a reset (r2) ignores what came before
+    it, by selection rather than by multiplying by 0, so a non-finite earlier state cannot leak."""
+    a1, b1, r1 = left
+    a2, b2, r2 = right
+    return jnp.where(r2, a2, a1 * a2), jnp.where(r2, b2, a2 * b1 + b2), r1 | r2
+
+
 def selective_scan_xla(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, *, delta_softplus,
                        tuning=None):
     """Chunked selective scan; same contract as `selective_scan_reference`.
@@ -79,16 +87,23 @@ def selective_scan_xla(u, delta, A, B, C, D, z, delta_bias, initial_state, reset
     def chunk(h, xs_c):
         u_c, d_c, b_c, c_c, r_c = xs_c                       # [Bt, lc, g, dg], ..., [Bt, lc, g, n], [Bt, lc]
         a = jnp.exp(d_c[..., None] * Ag)                      # [Bt, lc, g, dg, n]
-        a = jnp.where(r_c[:, :, None, None, None], 0.0, a)    # reset: forget the incoming state
         beta = (d_c * u_c)[..., None] * b_c[:, :, :, None, :]
         hg = h.reshape(bsz, g, dg, n)
+        r5 = r_c[:, :, None, None, None]
+        # A reset forgets the incoming state by selecting zeros (never 0·h, which keeps a NaN h).
         if inner == "associative":
-            P, Q = jax.lax.associative_scan(_combine, (a, beta), axis=1)
-            hs = P * hg[:, None] + Q
+            if reset is None:
+                P, Q = jax.lax.associative_scan(_combine, (a, beta), axis=1)
+                hs = P * hg[:, None] + Q
+            else:
+                P, Q, seen = jax.lax.associative_scan(_combine_with_resets, (a, beta, r5), axis=1)
+                hs = jnp.where(seen, Q, P * hg[:, None] + Q)
             y = jnp.sum(hs * c_c[:, :, :, None, :], axis=-1)  # [Bt, lc, g, dg]
             return hs[:, -1].reshape(bsz, d, n), y
         ys = []
         for t in range(lc):                                   # unrolled: lc is small
+            if reset is not None:
+                hg = jnp.where(r5[:, t], 0.0, hg)
             hg = a[:, t] * hg + beta[:, t]
             ys.append(jnp.sum(hg * c_c[:, t, :, None, :], axis=-1))
         return hg.reshape(bsz, d, n), jnp.stack(ys, axis=1)
