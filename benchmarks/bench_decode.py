@@ -141,7 +141,8 @@ def _row(args, impl, bsz, first, times):
     return {"impl": impl, "arch": args.arch, "batch": bsz, "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "precision": args.precision, "first_s": first,
             "median_s": med, "min_s": min(times), "max_s": max(times),
-            "tokens_per_s": bsz * args.new_tokens / med, "ms_per_step": 1e3 * med / args.new_tokens}
+            "tokens_per_s": bsz * args.new_tokens / med, "ms_per_step": 1e3 * med / args.new_tokens,
+            "seconds": {"call": med, "first_call": first}}
 
 
 def main(argv=None):

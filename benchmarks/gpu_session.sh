@@ -2,7 +2,10 @@
 # One device-machine call that runs every GPU check and benchmark of the repo, stage by stage, each
 # under its own time limit, logs in $OUT (set by the device tool; defaults to ./gpu_logs).
 #   bash benchmarks/gpu_session.sh [stage ...]     stages: tests m3_tests m3_bench m3_profile adamw_tests adamw
-#                                                  e2e1 e2e3 dp2 (default: all but tests)
+#                                                  e2e1 e2e3 e2e1_old e2e3_old remat1 noguard1 soak decode dp2
+#                                                  (default: the list in `stages=` below)
+# e2e*_old time the tree of an earlier commit unpacked in .old/ (git archive REV | tar -x -C .old; carry
+# .old), for a before/after ratio in one call.
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD PYTHONWARNINGS=ignore::DeprecationWarning
@@ -28,6 +31,13 @@ for s in $stages; do case $s in
   adamw)       run adamw 60 python3 benchmarks/bench_fused_adamw.py --no-sweep --iters 10 ;;
   e2e1)        run e2e_mamba1 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas,xla --optimizer $OPT --steps 5 --warmup 2 ;;
   e2e3)        run e2e_mamba3 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas,xla --optimizer $OPT --steps 5 --warmup 2 ;;
+  e2e1_old)    PYTHONPATH=$PWD/.old run e2e_mamba1_old 130 python3 .old/benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 ;;
+  e2e3_old)    PYTHONPATH=$PWD/.old run e2e_mamba3_old 130 python3 .old/benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 ;;
+  remat1)      run e2e_mamba1_remat_layer 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --remat layer ;
+               run e2e_mamba1_remat_dots 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --remat dots ;;
+  noguard1)    run e2e_mamba1_noguard 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --no-guard ;;
+  soak)        run soak_f16 240 python3 benchmarks/soak_f16.py ;;
+  decode)      run decode 240 python3 benchmarks/bench_decode.py --arch mamba1 ;;
   dp2)         run dp_equivalence 50 python3 tests/data_parallel_worker.py "$OUT/dp2.json" mamba1 mamba1_fsdp mamba3 f16_scaler ;
                run dp_throughput 90 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer $OPT --steps 5 --warmup 2 --devices 2 ;;
 esac; done

@@ -99,7 +99,7 @@ def main(argv=None):
     row = {"steps": args.steps, "injected": len(injected), "skipped": skips, "applied": int(state.step),
            "state_rows_reset": resets, "loss_scale_min": min(scales), "loss_scale_max": max(scales),
            "final_loss_scale": float(state.loss_scale.scale), "nonfinite_weights_or_state": nonfinite_seen,
-           "accuracy_last_50": acc, "chance": 1.0 / k, "seconds": elapsed}
+           "accuracy_last_50": acc, "chance": 1.0 / k, "seconds": {"total": elapsed}}
     print(f"jmamba f16 soak | jax {jax.__version__} on {jax.devices()[0].device_kind}")
     for key, value in row.items():
         print(f"  {key:28s} {value}")

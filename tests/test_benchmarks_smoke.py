@@ -10,14 +10,17 @@ import pytest
 
 HERE = os.path.dirname(__file__)
 SCRIPTS = sorted(glob.glob(os.path.join(HERE, "..", "benchmarks", "bench_*.py"))
-                 + glob.glob(os.path.join(HERE, "..", "benchmarks", "profile_*.py")))
+                 + glob.glob(os.path.join(HERE, "..", "benchmarks", "profile_*.py"))
+                 + glob.glob(os.path.join(HERE, "..", "benchmarks", "soak_*.py")))
 # what each script's tiny run must have timed: {row key: values that must all appear}
 EXPECTED = {
+    "bench_decode.py": ("impl", {"jmamba", "jmamba-stream"}),
     "bench_fused_adamw.py": ("variant", {"optax.adamw", "fused xla"}),
     "bench_mamba3_scan.py": ("impl", {"pallas", "xla", "reference"}),
     "bench_selective_scan.py": ("impl", {"pallas", "xla", "assoc", "reference"}),
     "bench_train_step.py": ("impl", {"xla"}),
     "profile_kernels.py": ("kernel", {"wall"}),     # no device events off the GPU
+    "soak_f16.py": ("nonfinite_weights_or_state", {"False"}),   # the guard held through the injected faults
 }
 
 

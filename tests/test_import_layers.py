@@ -28,7 +28,7 @@ LAYERS = {
     "io": ["jmamba.io", "jmamba.interop"],
     "optim": ["jmamba.optim"],
     "training": ["jmamba.training"],
-    "jobs": ["jmamba.train_char_lm"],
+    "jobs": ["jmamba.train_char_lm", "jmamba.sample"],
     "facade": ["jmamba"],            # jmamba/__init__.py: the public names, re-exported
 }
 # who may import whom (besides itself)

@@ -63,7 +63,8 @@ def test_loaded_checkpoint_reproduces_the_numpy_model(tmp_path, kw, bf16):
     extra = dict(kw, dt_min=0.001, dt_max=0.1, dt_init_floor=1e-4, is_mimo=False, mimo_rank=4, layer_idx=3,
                  dropout=0.0)   # what a dump of the constructor kwargs may also hold
     mixer = load_official_mamba3(write_checkpoint(tmp_path, sd, extra, bf16=bf16))
-    assert isinstance(mixer, Mamba3Mixer) and mixer.config.chunk_size == kw["chunk_size"]
+    # chunk_size is the official module's kernel knob: absorbed (jmamba's is a tuning setting of the op)
+    assert isinstance(mixer, Mamba3Mixer) and mixer.config.chunk_size is None
     assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(nnx.state(mixer, nnx.Param)))
     if bf16:   # the numpy model sees exactly what the file holds
         sd = {k: np.asarray(jnp.asarray(v, jnp.bfloat16).astype(jnp.float32)) for k, v in sd.items()}
@@ -96,7 +97,8 @@ def test_mapping_round_trips_through_the_writer(tmp_path):
         np.testing.assert_array_equal(a, b)
     with open(tmp_path / "b" / "config.json") as f:
         written = json.load(f)
-    assert {k: written[k] for k in NORM} == NORM
+    assert {k: written[k] for k in NORM if k != "chunk_size"} == {k: v for k, v in NORM.items() if k != "chunk_size"}
+    assert "chunk_size" not in written
 
 
 def test_writer_uses_official_names_and_layouts():

@@ -14,7 +14,7 @@ from builders import TINY_MAMBA3
 from jmamba import Mamba3Backbone
 from jmamba.ops import (AdamWTuning, Mamba3ScanTuning, SelectiveScanTuning, current_tuning, set_default_tuning,
                         tuning)
-from jmamba.ops.tuning import register_tuning
+from jmamba.ops.settings import register_tuning
 from jmamba.optim import KernelConfig
 
 OPS = {"selective_scan": SelectiveScanTuning, "mamba3_siso_scan": Mamba3ScanTuning, "adamw_update": AdamWTuning}

@@ -159,16 +159,16 @@ def test_config_imports_do_not_load_pallas_and_entry_points_load_on_first_use():
         import pallas_kernels.fused_adamw as adamw, pallas_kernels.mamba3_siso as m3, pallas_kernels.selective_scan as ss
         KernelConfig().validate(); Mamba3ScanConfig().validate(); ScanBlockConfig().validate()
         assert "jax.experimental.pallas" not in sys.modules, "a config import loaded Pallas"
-        for package, name in ((ss, "selective_scan_pallas"), (m3, "mamba3_siso_scan_pallas"),
+        for package, name in ((ss, "selective_scan_pallas"), (m3, "chunked_scan"),
                               (adamw, "fused_adamw_leaves")):
             assert name in dir(package) and name in package.__all__, name
         entry = ss.selective_scan_pallas
         assert "jax.experimental.pallas" in sys.modules, "the entry point did not load its kernels"
         from pallas_kernels.selective_scan.scan import selective_scan_pallas
-        from pallas_kernels.mamba3_siso.scan import mamba3_siso_scan_pallas
+        from pallas_kernels.mamba3_siso.scan import chunked_scan
         from pallas_kernels.fused_adamw.kernel import fused_adamw_leaves
         assert entry is selective_scan_pallas
-        assert m3.mamba3_siso_scan_pallas is mamba3_siso_scan_pallas
+        assert m3.chunked_scan is chunked_scan
         assert adamw.fused_adamw_leaves is fused_adamw_leaves
         from pallas_kernels.selective_scan import backward, combine, forward, scan   # submodules still import
         from pallas_kernels.mamba3_siso import chunk_backward, core, qk_gradients, queries_keys

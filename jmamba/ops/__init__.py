@@ -22,7 +22,7 @@ from jmamba.ops.mamba3_siso_scan import Mamba3ScanState, Mamba3ScanTuning, mamba
 from jmamba.ops.selective_scan import (SelectiveScanState, SelectiveScanTuning, selective_scan,
                                        selective_scan_step)
 from jmamba.ops.selective_scan.common import softplus_thresholded
-from jmamba.ops.tuning import current_tuning, set_default_tuning, tuning
+from jmamba.ops.settings import current_tuning, set_default_tuning, tuning
 
 __all__ = ["AdamWKernelConfig", "AdamWTuning", "Mamba3ScanState", "Mamba3ScanTuning", "SelectiveScanState", "SelectiveScanTuning",
            "adamw_update", "bias_correction", "current_tuning", "dispatch", "mamba3_siso_scan",

@@ -22,7 +22,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jmamba.ops import dispatch
-from jmamba.ops.tuning import current_tuning, register_tuning
+from jmamba.ops.settings import current_tuning, register_tuning
 from pallas_kernels.fused_adamw import KernelConfig as AdamWKernelConfig   # a plain config class
 
 OP = "adamw_update"

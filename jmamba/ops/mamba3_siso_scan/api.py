@@ -46,7 +46,7 @@ from jmamba.ops import dispatch
 from jmamba.ops.batch_sharding import call_batch_sharded
 from jmamba.core.dtypes import accum_dtype
 from jmamba.ops.mamba3_siso_scan.common import Mamba3ScanState, Mamba3ScanTuning, zero_states
-from jmamba.ops.tuning import current_tuning, register_tuning
+from jmamba.ops.settings import current_tuning, register_tuning
 
 OP = "mamba3_siso_scan"
 STATE_NAMES = Mamba3ScanState._fields

@@ -29,7 +29,7 @@ from jmamba.core.validation import check_array, check_bool, check_float, normali
 from jmamba.ops import dispatch
 from jmamba.ops.batch_sharding import call_batch_sharded
 from jmamba.ops.selective_scan.common import SelectiveScanState, SelectiveScanTuning
-from jmamba.ops.tuning import current_tuning, register_tuning
+from jmamba.ops.settings import current_tuning, register_tuning
 
 OP = "selective_scan"
 _LEGACY_POSITIONAL = ("delta_softplus", "initial_state", "return_final_state", "implementation")
@@ -114,7 +114,7 @@ def with_groups(name, x, lead, d, n):
     return x
 
 
-def state_array(state, bsz, d, n, name="initial_state"):
+def state_array(state, bsz, d, n, name="initial_state", stacklevel=4):
     """The [Bt, d, n] array of a `SelectiveScanState` (None stays None). A bare array is accepted
     with a DeprecationWarning (the state used to be a plain array)."""
     if state is None:
@@ -125,7 +125,7 @@ def state_array(state, bsz, d, n, name="initial_state"):
         return h
     if hasattr(state, "shape") and not isinstance(state, tuple):
         warnings.warn(f"passing {name} as a bare [batch, d, n] array is deprecated; pass "
-                      "jmamba.ops.SelectiveScanState(ssm=...)", DeprecationWarning, stacklevel=4)
+                      "jmamba.ops.SelectiveScanState(ssm=...)", DeprecationWarning, stacklevel=stacklevel)
         check_array(name, state, (bsz, d, n), "[batch, d, n]")
         return state
     raise TypeError(f"{name} must be a jmamba.ops.SelectiveScanState (ssm [batch, d, n]) or None, "

@@ -54,7 +54,7 @@ def selective_scan_step(u, delta, A, B, C, D=None, z=None, delta_bias=None, *, i
             check_array(name, x, (d,), "[d]")
     if z is not None:
         check_array("z", z, (bsz, d), "[batch, d] like u")
-    h0 = state_array(initial_state, bsz, d, n)
+    h0 = state_array(initial_state, bsz, d, n, stacklevel=3)
     if reset is not None:
         check_bool_mask("reset", reset, [(bsz,)], "[batch]")
     check_bool("delta_softplus", delta_softplus)
