@@ -46,6 +46,11 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--length", type=int, default=64)
     p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--scan-impl", default=None, help="force the scan implementation (dispatch.prefer)")
+    p.add_argument("--precision", default="f16", choices=["f32", "bf16", "f16"])
+    p.add_argument("--verbose", type=int, default=0, help="print the metrics of the first N steps")
+    p.add_argument("--print-every", type=int, default=100, help="print the metrics every N steps (0: never)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--tiny", action="store_true", help="60 small steps (CPU smoke run)")
     return p.parse_args(argv)
 
@@ -54,20 +59,25 @@ def main(argv=None):
     args = parse_args(argv)
     if args.tiny:
         args.steps, args.overflow_every, args.nan_step = 60, 10, 30
-        args.batch_size, args.length, args.d_model = 4, 16, 16
+        args.batch_size, args.length, args.d_model, args.print_every = 4, 16, 16, 0
     task = _task()
     k, n_tokens = 8, 4
     cfg = jmamba.Mamba1Config(d_model=args.d_model, n_layers=2, d_state=16)
     lm = jmamba.MambaLM(cfg, k + 2, rngs=nnx.Rngs(0))
-    opt = jmamba.fused_adamw(optax.warmup_cosine_decay_schedule(0.0, 3e-3, 50, args.steps, 3e-4),
+    opt = jmamba.fused_adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, 50, args.steps, args.lr / 10),
                              mask=jmamba.no_decay_mask(lm))
 
     def loss_fn(logits, batch):
         loss, aux = task.masked_loss(logits, batch)
         return loss * batch["loss_factor"], aux
 
-    state = jmamba.TrainState.create(lm, opt, args.batch_size, precision="f16")
-    step = jmamba.make_train_step(lm, opt, loss_fn=loss_fn, precision="f16", clip_max_norm=1.0)
+    import contextlib
+    def prefer():   # a fresh context each time (a generator-based context manager is single-use)
+        return (jmamba.ops.dispatch.prefer("selective_scan", args.scan_impl) if args.scan_impl
+                else contextlib.nullcontext())
+    state = jmamba.TrainState.create(lm, opt, args.batch_size, precision=args.precision)
+    with prefer():
+        step = jmamba.make_train_step(lm, opt, loss_fn=loss_fn, precision=args.precision, clip_max_norm=1.0)
     rng = np.random.default_rng(0)
     injected, skips, resets, accs, scales = set(), 0, 0, [], []
     nonfinite_seen = False
@@ -83,10 +93,13 @@ def main(argv=None):
             batch["inputs"] = batch["inputs"].at[0, 3].set(k + 7)    # an out-of-range id, on the device
             injected.add(i)
         batch["loss_factor"] = jnp.float32(factor)
-        state, m = step(state, batch)
+        with prefer():
+            state, m = step(state, batch)
+        if i < args.verbose or (args.print_every and i % args.print_every == 0):
+            print(f"step {i:4d} " + " ".join(f"{k}={float(v):.4g}" for k, v in sorted(m.items())))
         skips += int(m["skipped"])
         resets += int(m["state_rows_reset"])
-        scales.append(float(m["loss_scale"]))
+        scales.append(float(m.get("loss_scale", 1.0)))
         if not bool(m["skipped"]):
             accs.append(float(m["accuracy"]))
         if i % max(1, args.steps // 20) == 0 or i in injected:
@@ -98,7 +111,8 @@ def main(argv=None):
     acc = float(np.mean(accs[-50:])) if accs else float("nan")
     row = {"steps": args.steps, "injected": len(injected), "skipped": skips, "applied": int(state.step),
            "state_rows_reset": resets, "loss_scale_min": min(scales), "loss_scale_max": max(scales),
-           "final_loss_scale": float(state.loss_scale.scale), "nonfinite_weights_or_state": nonfinite_seen,
+           "final_loss_scale": float(state.loss_scale.scale) if state.loss_scale is not None else None,
+           "nonfinite_weights_or_state": nonfinite_seen,
            "accuracy_last_50": acc, "chance": 1.0 / k, "seconds": {"total": elapsed}}
     print(f"jmamba f16 soak | jax {jax.__version__} on {jax.devices()[0].device_kind}")
     for key, value in row.items():

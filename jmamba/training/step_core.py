@@ -77,13 +77,15 @@ def apply_gradients(state: TrainState, vjp_fn, d_out, new_recurrent_state, optim
     (grads,) = vjp_fn(scale_cotangent(d_out, ls).astype(f32))
     grads = jax.tree.map(lambda g: g.astype(f32), grads)
 
-    # what makes this step unusable: an f16 overflow (always), any non-finite value (the guard)
-    grads_finite = all_finite(grads) if (ls is not None or guard) else None
-    ok = grads_finite
-    if guard and loss is not None:
-        ok = jnp.logical_and(ok, jnp.isfinite(loss))
+    # What makes this step unusable: an f16 overflow (always; checked leaf by leaf, as before), any
+    # non-finite value (the guard). The guard reads the global norm it needs anyway: an inf/NaN in any
+    # gradient makes it non-finite, so the check costs no extra pass (a finite norm beyond float32
+    # range, ~1.8e19, would count as non-finite too: such a step is diverging anyway).
+    grads_finite = all_finite(grads) if ls is not None else None
+    loss_ok = jnp.isfinite(loss) if (guard and loss is not None) else None
 
     if accumulate_only:
+        ok = _and(grads_finite, loss_ok, all_finite(grads) if guard and ls is None else None)
         accum = accumulation.add(state.grad_accum, grads)
         if ok is not None:
             accum = jax.tree.map(lambda new, old: jnp.where(ok, new, old), accum, state.grad_accum)
@@ -96,6 +98,7 @@ def apply_gradients(state: TrainState, vjp_fn, d_out, new_recurrent_state, optim
     grads = accumulation.total(state, grads)
     norm = global_norm(grads) if inv_scale is None else global_norm(grads) * inv_scale
     metrics["grad_norm"] = norm
+    ok = _and(grads_finite, loss_ok, jnp.isfinite(norm) if guard else None)
     factors = [] if inv_scale is None else [inv_scale]
     if clip_max_norm is not None:
         factors.append(clip_coefficient(norm, clip_max_norm))
@@ -120,6 +123,17 @@ def apply_gradients(state: TrainState, vjp_fn, d_out, new_recurrent_state, optim
     metrics["updates"] = updates
     metrics["consecutive_skips"] = new_state.consecutive_skips
     return new_state, metrics
+
+
+def _and(*flags):
+    """Logical and of the flags that are not None (None when all are)."""
+    flags = [f for f in flags if f is not None]
+    if not flags:
+        return None
+    out = flags[0]
+    for f in flags[1:]:
+        out = jnp.logical_and(out, f)
+    return out
 
 
 def _skips(state, applied):
