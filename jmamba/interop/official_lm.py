@@ -27,11 +27,10 @@ import os
 
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jmamba.interop.official_mamba3 import (config_from_official, official_kwargs, official_state_dict,
-                                            params_from_official)
+                                            params_from_official, read_official_dir)
 from jmamba.lm import MambaLM
 from jmamba.mamba3.config import Mamba3Config
 
@@ -113,18 +112,7 @@ def lm_from_official(conf: dict, state_dict: dict) -> MambaLM:
 
 def load_official_lm(path) -> MambaLM:
     """Loads an official MambaLMHeadModel(Mamba3) directory (config.json + model.safetensors)."""
-    path = os.fspath(path)
-    cfg_path, w_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
-    for p in (cfg_path, w_path):
-        if not os.path.isfile(p):
-            raise FileNotFoundError(f"official MambaLMHeadModel directory is missing {p}")
-    with open(cfg_path) as f:
-        try:
-            conf = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
-    with safe_open(w_path, framework="numpy") as f:
-        state_dict = {k: f.get_tensor(k) for k in f.keys()}
+    conf, state_dict = read_official_dir(path, "official MambaLMHeadModel directory")
     return lm_from_official(conf, state_dict)
 
 

@@ -138,6 +138,24 @@ def official_state_dict(mixer: Mamba3Mixer) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v) for k, v in sd.items()}
 
 
+def read_official_dir(path, what: str, *, prefix: str = ""):
+    """(config.json as a dict, {key without `prefix`: numpy array} of model.safetensors) of an official
+    checkpoint directory; FileNotFoundError / ValueError naming the file."""
+    path = os.fspath(path)
+    cfg_path, w_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
+    for p in (cfg_path, w_path):
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"{what} is missing {p}")
+    with open(cfg_path) as f:
+        try:
+            conf = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+    with safe_open(w_path, framework="numpy") as f:
+        tensors = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+    return conf, tensors
+
+
 def load_official_mamba3(path, *, prefix: str = "", strict: bool = True) -> Mamba3Mixer:
     """Loads an official Mamba3 SISO checkpoint directory into a `Mamba3Mixer`.
 
@@ -150,19 +168,8 @@ def load_official_mamba3(path, *, prefix: str = "", strict: bool = True) -> Mamb
     Returns:
       A `Mamba3Mixer` (float32 parameters) computing the official forward.
     """
-    path = os.fspath(path)
-    cfg_path, w_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
-    for p in (cfg_path, w_path):
-        if not os.path.isfile(p):
-            raise FileNotFoundError(f"official Mamba3 checkpoint is missing {p}")
-    with open(cfg_path) as f:
-        try:
-            kwargs = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+    kwargs, state_dict = read_official_dir(path, "official Mamba3 checkpoint", prefix=prefix)
     cfg = config_from_official(kwargs)
-    with safe_open(w_path, framework="flax") as f:
-        state_dict = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
     params = params_from_official(state_dict, cfg, strict=strict)
     mixer = Mamba3Mixer(cfg, rngs=nnx.Rngs(0))
     state = nnx.state(mixer, nnx.Param)
