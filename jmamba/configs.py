@@ -57,3 +57,13 @@ def config_to_json(cfg) -> str:
 
 def config_from_json(s: str):
     return config_from_dict(json.loads(s))
+
+
+def __getattr__(name):
+    if name == "CONFIG_CLASSES":   # the old table; the architecture registry replaces it
+        import warnings
+
+        warnings.warn("jmamba.configs.CONFIG_CLASSES is deprecated; use jmamba.get_architecture(name).config_cls",
+                      DeprecationWarning, stacklevel=2)
+        return {n: get_architecture(n).config_cls for n in architecture_names()}
+    raise AttributeError(f"module 'jmamba.configs' has no attribute {name!r}")

@@ -138,3 +138,15 @@ class MambaLM(nnx.Module):
         h = self._embed(token_ids)
         y, state = self.backbone.step(h, state, precision=p)
         return self._logits(y, p.compute_dtype), state
+
+
+def __getattr__(name):
+    if name == "BACKBONES":   # the old table; the architecture registry replaces it
+        import warnings
+
+        from jmamba.architectures import architecture_names
+
+        warnings.warn("jmamba.lm.BACKBONES is deprecated; use jmamba.get_architecture(cfg).backbone_cls",
+                      DeprecationWarning, stacklevel=2)
+        return {get_architecture(n).config_cls: get_architecture(n).backbone_cls for n in architecture_names()}
+    raise AttributeError(f"module 'jmamba.lm' has no attribute {name!r}")

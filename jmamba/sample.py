@@ -1,6 +1,6 @@
 """Sample a continuation of a prompt from a saved jmamba language model.
 
-    python -m jmamba.sample --model runs/char_lm/pretrained --prompt "def " --max-new-tokens 200 --stream
+    python -m jmamba.sample --model runs/char_lm --prompt "def " --max-new-tokens 200 --stream
     python -m jmamba.sample --model runs/char_lm/checkpoints --prompt "def " --temperature 0.8 --top-k 40
     python -m jmamba.sample --model DIR --tokenizer tokenizer.json --prompt "Mamba is" --eos-id 0
 

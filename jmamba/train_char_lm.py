@@ -200,16 +200,23 @@ def main(argv=None) -> int:
         batches.fresh[:] = False
         losses = [float(x) for x in extras["losses"]]
         evals = [[int(s), float(v)] for s, v in extras.get("evals", [])]
-        print(f"resumed from {ckpt_dir} at step {int(state.step)}")
+        calls = int(extras.get("calls", int(state.step)))   # train-step calls (skipped steps included)
+        print(f"resumed from {ckpt_dir} at step {int(state.step)} (call {calls})")
+    else:
+        calls = 0
 
     train_step = make_train_step(lm, optimizer, loss_fn=cross_entropy, precision=args.precision,
                                  clip_max_norm=args.clip)
     evaluate = make_evaluator(lm, val_tokens, args.batch_size * args.seq_len)
 
-    def checkpoint():
+    def checkpoint(calls_done):
+        # A step the guard skipped does not advance state.step, the checkpoint's number: the newest
+        # checkpoint then already holds these parameters, and the resume replays from its data position.
+        if latest_step(ckpt_dir) == int(state.step):
+            return
         save_checkpoint(ckpt_dir, state, config=lm.config,
                         extras={"data_position": batches.position, "losses": losses, "evals": evals,
-                                "seed": args.seed, "tokenizer": tok.fingerprint()})
+                                "seed": args.seed, "tokenizer": tok.fingerprint(), "calls": calls_done})
 
     def held_out(step_no):
         loss = evaluate(state.params)
@@ -219,7 +226,7 @@ def main(argv=None) -> int:
         log.log(step_no, {"loss": loss}, split="eval")
         return loss
 
-    start = int(state.step)
+    start = calls
     log = MetricsLogger(args.out, tensorboard=args.tensorboard, resume_step=start)
     tokens_per_step = args.batch_size * args.seq_len
     bar = tqdm(range(start, args.steps), desc="train", unit="step", dynamic_ncols=True,
@@ -244,19 +251,18 @@ def main(argv=None) -> int:
             log.log(step_no, row)
             window_tokens = window_s = 0.0
         if i % 10 == 0 or step_no == args.steps:
-            bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}", tok_s=f"{timed_tokens / max(timed_s, 1e-9):,.0f}")
+            bar.set_postfix(loss=f"{np.nanmean(losses[-10:]):.3f}", tok_s=f"{timed_tokens / max(timed_s, 1e-9):,.0f}")
         if args.eval_every and step_no % args.eval_every == 0 and step_no < args.steps:
             bar.write(f"step {step_no}: held-out loss {held_out(step_no):.3f} nats/{unit}")
         if args.ckpt_every and step_no % args.ckpt_every == 0 and step_no < args.steps:
-            checkpoint()
+            checkpoint(step_no)
     bar.close()
     final_step = max(args.steps, start)
     final_eval = held_out(final_step)
-    if latest_step(ckpt_dir) != int(state.step):   # the final evaluation goes into it too
-        checkpoint()
+    checkpoint(max(args.steps, start))   # the final evaluation goes into it too
     log.close()
     if losses:
-        print(f"loss: first step {losses[0]:.3f} -> last {np.mean(losses[-10:]):.3f} nats/{unit} "
+        print(f"loss: first step {losses[0]:.3f} -> last {np.nanmean(losses[-10:]):.3f} nats/{unit} "
               f"(uniform would be {np.log(tok.vocab_size):.3f})")
     print(f"held-out loss: {final_eval:.3f} nats/{unit}")
     print(f"metrics: {log.path}" + (f", TensorBoard: {log.tensorboard_dir}" if args.tensorboard else ""))
@@ -272,7 +278,7 @@ def main(argv=None) -> int:
     plot_losses(losses, evals, os.path.join(args.out, "loss.png"), unit)
 
     prompt = jnp.asarray(tok.encode(args.prompt))[None]
-    out = generate(model, prompt, args.sample_tokens, temperature=args.temperature, top_k=40,
+    out = generate(model, prompt, args.sample_tokens, temperature=args.temperature, top_k=min(40, tok.vocab_size),
                    rng=jax.random.PRNGKey(args.seed))
     print("---- sample ----")
     print(tok.decode(out[0]))

@@ -172,3 +172,39 @@ def test_mamba3_config_chunk_size_still_sets_the_models_chunk(monkeypatch):
     with ops.tuning("mamba3_siso_scan", chunk_size=5):     # the deprecated field wins, as before
         model(jnp.ones((1, 7, 3)))
     assert seen == [3]
+
+
+@pytest.mark.parametrize("module, name", [("jmamba.dtypes", "accum_dtype"), ("jmamba.ops.validation", "check_array"),
+                                          ("jmamba.optim.adamw_numerics", "step_scalars")])
+def test_moved_modules_still_import_and_warn(module, name):
+    import importlib
+    import sys
+
+    sys.modules.pop(module, None)
+    with pytest.warns(DeprecationWarning, match=module):
+        mod = importlib.import_module(module)
+    assert callable(getattr(mod, name))
+
+
+def test_removed_tables_still_answer_and_warn():
+    import jmamba.configs
+    import jmamba.lm
+
+    with pytest.warns(DeprecationWarning, match="CONFIG_CLASSES"):
+        assert jmamba.configs.CONFIG_CLASSES["mamba3"] is jmamba.Mamba3Config
+    with pytest.warns(DeprecationWarning, match="BACKBONES"):
+        assert jmamba.lm.BACKBONES[jmamba.Mamba1Config] is jmamba.Mamba1Backbone
+
+
+def test_selective_scan_xla_old_knobs_still_work_and_warn():
+    from jmamba.ops.selective_scan.common import SelectiveScanTuning
+    from jmamba.ops.selective_scan.xla import selective_scan_xla
+
+    r = np.random.default_rng(0)
+    a = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)   # noqa: E731
+    args = (a(1, 9, 3), a(1, 9, 3), -jnp.exp(a(3, 2)), a(1, 9, 1, 2), a(1, 9, 1, 2), None, None, None, None, None)
+    with pytest.warns(DeprecationWarning, match="tuning"):
+        old = selective_scan_xla(*args, delta_softplus=True, chunk_size=4, inner="sequential")
+    new = selective_scan_xla(*args, delta_softplus=True, tuning=SelectiveScanTuning(xla_chunk_size=4,
+                                                                                  xla_inner="sequential"))
+    assert np.array_equal(old[0], new[0]) and np.array_equal(old[1], new[1])

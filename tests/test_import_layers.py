@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # layer -> module prefixes (longest prefix wins)
 LAYERS = {
     "kernels": ["pallas_kernels"],
-    "core": ["jmamba.core"],
+    "core": ["jmamba.core", "jmamba.dtypes"],
     "ops": ["jmamba.ops"],
     "parallel": ["jmamba.parallel"],
     "data": ["jmamba.data"],

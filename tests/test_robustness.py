@@ -215,19 +215,84 @@ def test_nan_and_inf_settings_are_refused():
 
 @pytest.mark.parametrize("bad", [float("nan"), -1e-3])
 @pytest.mark.parametrize("fused_path", [True, False])
-def test_a_schedule_that_turns_bad_later_is_skipped(bad, fused_path):
+def test_a_schedule_that_turns_bad_later_changes_nothing(bad, fused_path):
     schedule = lambda count: jnp.where(count == 1, bad, 1e-2)   # noqa: E731  (good at 0 and 2)
     model = jmamba.Mamba1Backbone(M1_IN, rngs=nnx.Rngs(0))
     fused = jmamba.fused_adamw(schedule)
     opt = fused if fused_path else optax.chain(fused, optax.identity())   # not last in a chain: update path
-    state = jmamba.TrainState.create(model, opt, 2)
-    step = jmamba.make_train_step(model, opt, loss_fn=lambda y, b: jnp.mean(y ** 2), donate=False)
-    x = {"inputs": jnp.ones((2, 4, 3))}
-    state, m0 = step(state, x)
-    before = snapshot(state)
-    state, m1 = step(state, x)
-    assert not bool(m0["skipped"]) and bool(m1["skipped"]) and same(snapshot(state), before)
-    assert all_params_finite(state)
+    for guard in (True, False):
+        state = jmamba.TrainState.create(model, opt, 2)
+        step = jmamba.make_train_step(model, opt, loss_fn=lambda y, b: jnp.mean(y ** 2), donate=False,
+                                      nonfinite_guard=guard)
+        x = {"inputs": jnp.ones((2, 4, 3))}
+        state, m0 = step(state, x)
+        before = [np.asarray(a) for a in jax.tree.leaves((state.params, state.opt_state))]
+        state, m1 = step(state, x)
+        after = [np.asarray(a) for a in jax.tree.leaves((state.params, state.opt_state))]
+        assert not bool(m0["skipped"]) and same(after, before) and all_params_finite(state)
+        # the fused apply also reports it; through `update` it is a zero update (the count stays)
+        assert bool(m1["skipped"]) == fused_path
+        # the optimizer's count did not advance, so the schedule is asked again for the same count:
+        # refused again, and the fused path counts the skips in a row
+        state, m2 = step(state, x)
+        assert same([np.asarray(a) for a in jax.tree.leaves((state.params, state.opt_state))], before)
+        assert int(m2["consecutive_skips"]) == (2 if fused_path else 0)
+
+
+def test_a_skipped_applying_call_drops_its_window_and_the_next_window_starts_from_zeros():
+    model = jmamba.Mamba1Backbone(M1_IN, rngs=nnx.Rngs(0))
+    opt = optax.sgd(0.1)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 4, 3)), jnp.float32)
+
+    def window(state, d_out_last):
+        out, ctx, state = jmamba.forward(model, state, {"inputs": x})
+        state, _ = jmamba.backward_step(opt, state, ctx, out / 8, accumulate_only=True)
+        out, ctx, state = jmamba.forward(model, state, {"inputs": x})
+        return jmamba.backward_step(opt, state, ctx, d_out_last(out))
+
+    state = jmamba.TrainState.create(model, opt, 2, accumulate=True)
+    before = [np.asarray(p) for p in jax.tree.leaves(state.params)]
+    state, m = window(state, lambda out: (out / 8).at[0, 0, 0].set(jnp.nan))
+    assert bool(m["skipped"]) and same([np.asarray(p) for p in jax.tree.leaves(state.params)], before)
+    carried = jax.tree.map(jnp.copy, state.recurrent_state)
+    state, m = window(state, lambda out: out / 8)          # must not include the dropped window
+    fresh = jmamba.TrainState.create(model, opt, 2, accumulate=True).replace(recurrent_state=carried)
+    fresh, m_fresh = window(fresh, lambda out: out / 8)
+    assert abs(float(m["grad_norm"]) - float(m_fresh["grad_norm"])) <= 1e-6 * float(m_fresh["grad_norm"])
+
+
+def test_multisteps_with_clip_max_norm_is_refused_with_the_fix():
+    model = jmamba.Mamba1Backbone(M1_IN, rngs=nnx.Rngs(0))
+    opt = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+    with pytest.raises(ValueError, match="clip_by_global_norm"):
+        jmamba.make_train_step(model, opt, clip_max_norm=1.0)
+
+
+def test_main_job_survives_skipped_steps_and_resumes_where_it_stopped(tmp_path, monkeypatch):
+    from jmamba import train_char_lm
+    from jmamba.data.streams import StreamBatcher
+
+    real_next = StreamBatcher.next
+    calls = {"n": 0}
+
+    def poisoned_next(self):
+        calls["n"] += 1
+        batch = real_next(self)
+        if calls["n"] == 3:                              # an id the device-side guard must skip
+            batch["inputs"] = batch["inputs"].copy()
+            batch["inputs"][0, 0] = 10_000
+        return batch
+
+    monkeypatch.setattr(StreamBatcher, "next", poisoned_next)
+    out = str(tmp_path / "run")
+    flags = ["--out", out, "--batch-size", "2", "--seq-len", "8", "--d-model", "8", "--n-layers", "1",
+             "--sample-tokens", "2", "--ckpt-every", "1", "--eval-every", "0"]
+    assert train_char_lm.main(flags + ["--steps", "4"]) == 0
+    assert train_char_lm.main(flags + ["--steps", "6"]) == 0
+    from jmamba.training.metrics_log import read_metrics
+    rows = [r for r in read_metrics(os.path.join(out, "metrics.jsonl"), split="train")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert calls["n"] == 6                                 # exactly --steps train calls over both runs
 
 
 # ------------------------------------------------------------------ 7. the main job's flags

@@ -128,8 +128,9 @@ class _Update:
             raise ValueError("fused_adamw.update needs params (the decoupled weight decay reads them)")
         new_params, new_state, _, lr_ok = _step(self.hp, updates, state, params, implementation="xla",
                                                 compute_dtype=None)
-        # a refused learning rate gives a non-finite update, so a guarded train step skips and reports it
-        deltas = jax.tree.map(lambda new, old: jnp.where(lr_ok, new - old, jnp.nan), new_params, params)
+        # a refused learning rate changes nothing: zero updates, moments and count unchanged (only the
+        # fused apply can also report the step as skipped)
+        deltas = jax.tree.map(lambda new, old: jnp.where(lr_ok, new - old, 0.0), new_params, params)
         return deltas, new_state
 
     def apply(self, grads, state, params, *, grad_scale=None, skip=None):
@@ -157,8 +158,9 @@ def fused_adamw(learning_rate: Union[float, optax.Schedule], b1: float = 0.9, b2
 
     Args:
       learning_rate: a float, a float32 scalar, or a schedule `count -> lr` (count before the update).
-        A step whose learning rate is non-finite or negative is refused: nothing changes (through
-        the train step it is reported as skipped).
+        A step whose learning rate is non-finite or negative is refused: nothing changes (the
+        fused apply of the train step also reports it as skipped; through `update`, e.g. inside an
+        `optax.MultiSteps`, it is a zero update and the count does not advance).
       b1, b2: moment decay rates in [0, 1). Python floats keep the bias corrections accurate.
       eps: added to √v̂ (after the square root), > 0.
       weight_decay: decoupled decay coefficient, ≥ 0.
@@ -191,7 +193,11 @@ def fused_adamw(learning_rate: Union[float, optax.Schedule], b1: float = 0.9, b2
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if compute_dtype is not None and jnp.dtype(compute_dtype) not in [jnp.dtype(d) for d in COMPUTE_DTYPES]:
         raise ValueError(f"compute_dtype must be None, jnp.bfloat16 or jnp.float16, got {compute_dtype!r}")
-    tuning = None if kernel_config is None else ops.AdamWTuning(pallas_config=kernel_config)   # validates it
+    try:
+        tuning = None if kernel_config is None else ops.AdamWTuning(pallas_config=kernel_config)   # validates it
+    except TypeError:
+        raise TypeError(f"kernel_config must be a jmamba.optim.KernelConfig or None, got "
+                        f"{type(kernel_config).__name__}") from None
     hp = _Hyperparams(learning_rate, b1, b2, eps, weight_decay, mask, implementation,
                       None if compute_dtype is None else jnp.dtype(compute_dtype), tuning)
 

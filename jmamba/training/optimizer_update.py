@@ -35,11 +35,13 @@ from jmamba.training.guard import all_finite
 _WARNED: set = set()
 
 
-def check_optimizer(optimizer, name: str = "optimizer"):
-    if isinstance(optimizer, (optax.GradientTransformation, optax.MultiSteps)):
-        return
-    raise TypeError(f"{name} must be an optax.GradientTransformation or an optax.MultiSteps, "
-                    f"got {type(optimizer).__name__}")
+def check_optimizer(optimizer, name: str = "optimizer", *, clip_max_norm=None):
+    if not isinstance(optimizer, (optax.GradientTransformation, optax.MultiSteps)):
+        raise TypeError(f"{name} must be an optax.GradientTransformation or an optax.MultiSteps, "
+                        f"got {type(optimizer).__name__}")
+    if isinstance(optimizer, optax.MultiSteps) and clip_max_norm is not None:
+        raise ValueError("clip_max_norm with optax.MultiSteps would clip every micro-batch, not the accumulated "
+                         "gradient: clip inside it, optax.MultiSteps(optax.chain(optax.clip_by_global_norm(c), opt), k)")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -140,7 +140,7 @@ def backward_step(optimizer, state: TrainState, ctx: ForwardContext, d_out, *,
     """
     if not isinstance(ctx, ForwardContext):
         raise TypeError(f"ctx must be the ForwardContext returned by forward(), got {type(ctx).__name__}")
-    check_optimizer(optimizer)
+    check_optimizer(optimizer, clip_max_norm=clip_max_norm)
     check_state_for_step(state, ctx.precision)
     if ctx.consumed:
         raise RuntimeError("this forward's backward_step already ran (a second backward on the same forward)")

@@ -86,9 +86,11 @@ def apply_gradients(state: TrainState, vjp_fn, d_out, new_recurrent_state, optim
 
     if accumulate_only:
         ok = _and(grads_finite, loss_ok, all_finite(grads) if guard and ls is None else None)
-        accum = accumulation.add(state.grad_accum, grads)
+        # A window opens from zeros: what a skipped applying call left in the accumulator is dropped.
+        base = accumulation.window_start(state)
+        accum = accumulation.add(base, grads)
         if ok is not None:
-            accum = jax.tree.map(lambda new, old: jnp.where(ok, new, old), accum, state.grad_accum)
+            accum = jax.tree.map(lambda new, old: jnp.where(ok, new, old), accum, base)
             metrics["skipped"] = jnp.logical_not(ok)
         return state.replace(grad_accum=accum, recurrent_state=new_recurrent_state, accumulating=True,
                              consecutive_skips=_skips(state, ok)), metrics

@@ -77,6 +77,8 @@ class TrainState(struct.PyTreeNode):
         """
         precision = check_precision(precision)
         check_optimizer(optimizer)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if not hasattr(model, "init_state"):
             raise TypeError(f"model must have init_state(batch) (a backbone or MambaLM), got {type(model).__name__}")
         bad = [jax.tree_util.keystr(p) for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))

@@ -84,7 +84,7 @@ def make_train_step(model: nnx.Module, optimizer, *,
     check_max_norm(clip_max_norm)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
-    check_optimizer(optimizer)
+    check_optimizer(optimizer, clip_max_norm=clip_max_norm)
     check_bool("nonfinite_guard", nonfinite_guard)
     remat = check_remat(remat)
     graphdef = nnx.graphdef(model)

@@ -39,7 +39,7 @@ class AdamWTuning:
     def __post_init__(self):
         if self.pallas_config is not None:
             if not isinstance(self.pallas_config, AdamWKernelConfig):
-                raise TypeError(f"kernel_config must be a KernelConfig or None, got "
+                raise TypeError(f"pallas_config must be an AdamWKernelConfig or None, got "
                                 f"{type(self.pallas_config).__name__}")
             self.pallas_config.validate()
 

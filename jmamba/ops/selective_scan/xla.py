@@ -44,12 +44,22 @@ def _combine_with_resets(left, right):
 
 
 def selective_scan_xla(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, *, delta_softplus,
-                       tuning=None):
+                       tuning=None, chunk_size=None, inner=None):
     """Chunked selective scan; same contract as `selective_scan_reference`.
 
     `tuning` (a `SelectiveScanTuning`) gives `xla_chunk_size` (steps per chunk) and `xla_inner`
     ("associative" or "sequential" combination inside a chunk); None fields take the backend default.
+    `chunk_size=` / `inner=` are their deprecated spellings.
     """
+    if chunk_size is not None or inner is not None:
+        import warnings
+
+        from jmamba.ops.selective_scan.common import SelectiveScanTuning
+        warnings.warn("selective_scan_xla(chunk_size=, inner=) is deprecated; pass "
+                      "tuning=SelectiveScanTuning(xla_chunk_size=, xla_inner=)", DeprecationWarning, stacklevel=2)
+        if tuning is not None:
+            raise TypeError("selective_scan_xla() got both tuning= and the deprecated chunk_size=/inner=")
+        tuning = SelectiveScanTuning(xla_chunk_size=chunk_size, xla_inner=inner)
     default_inner, default_chunk = DEFAULTS.get(jax.default_backend(), GPU_DEFAULT)
     inner = (tuning and tuning.xla_inner) or default_inner
     chunk_size = (tuning and tuning.xla_chunk_size) or default_chunk
