@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--no-guard", action="store_true", help="build the step with nonfinite_guard=False")
     p.add_argument("--devices", type=int, default=1,
                    help="data-parallel over this many devices (global batch = batch-size x devices)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, trace N more steps and print per-kernel and per-category device times")
     p.add_argument("--tiny", action="store_true", help="tiny shapes for a CPU smoke run")
     args = p.parse_args(argv)
     if args.tiny:
@@ -86,6 +88,24 @@ def loss_fn(logits, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
+def profile_steps(step, state, batches, n):
+    """Traces n steps (state threaded through) and prints the per-kernel and per-category device times
+    per step (benchmarks/profile_kernels.py); returns the last state."""
+    from benchmarks.profile_kernels import report, report_categories, traced_kernel_times
+    box = [state]
+
+    def run():
+        for i in range(n):
+            box[0], m = step(box[0], batches[i % 2])
+            jax.block_until_ready((box[0], m))
+    totals, wall = traced_kernel_times(run)
+    print(f"\n# per-kernel device time per step ({n} traced steps, wall {wall / n * 1e3:.1f} ms/step traced)")
+    report_categories(totals, n)
+    print()
+    report(totals, n, top=40)
+    return box[0]
+
+
 def bench_one(args, lm, impl):
     opt = make_optimizer(args)
     rng = np.random.default_rng(0)
@@ -112,6 +132,8 @@ def bench_one(args, lm, impl):
             state, m = step(state, batches[i % 2])
             jax.block_until_ready((state, m))
             times.append(time.perf_counter() - t)
+        if args.profile:
+            state = profile_steps(step, state, batches, args.profile)
     stats = jax.devices()[0].memory_stats() or {}   # device 0 (each device holds the same share)
     return {"impl": impl, "ms": 1e3 * statistics.median(times), "min": 1e3 * min(times), "max": 1e3 * max(times),
             "compile_s": compile_s, "loss": float(m["loss"]), "peak_gib": stats.get("peak_bytes_in_use", 0) / 2 ** 30,

@@ -34,11 +34,20 @@ def kernel_times(fn, args, iters):
     """({kernel name: (total ns, count)}, wall seconds) over `iters` calls of fn(*args) (compiled and
     warmed up first)."""
     jax.block_until_ready(fn(*args))
+
+    def run():
+        for _ in range(iters):
+            jax.block_until_ready(fn(*args))
+    return traced_kernel_times(run)
+
+
+def traced_kernel_times(run):
+    """({kernel name: (total ns, count)}, wall seconds) of the GPU kernels that `run()` launches (a
+    callable that does its own iterations and blocks on its results)."""
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             t0 = time.perf_counter()
-            for _ in range(iters):
-                jax.block_until_ready(fn(*args))
+            run()
             wall = time.perf_counter() - t0
         path = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]
         data = jax.profiler.ProfileData.from_file(path)
@@ -53,6 +62,42 @@ def kernel_times(fn, args, iters):
                 totals[ev.name][0] += ev.duration_ns
                 totals[ev.name][1] += 1
     return totals, wall
+
+
+CATEGORIES = (   # (category, substrings of XLA / Pallas kernel names), first match wins
+    ("selective-scan kernels", ("selective_scan", "mamba1_")),
+    ("Mamba-3 kernels", ("mamba3",)),
+    ("fused AdamW", ("adamw",)),
+    ("matmuls", ("gemm", "cublas", "cutlass", "nvjet", "xmma", "wgmma", "dot")),
+    ("transposes", ("transpose",)),
+    ("reductions", ("reduce",)),
+    ("convert fusions", ("convert",)),
+    ("loop fusions", ("loop",)),
+    ("copies / memsets", ("copy", "memset", "memcpy", "dynamic_update_slice", "concatenate")),
+)
+
+
+def category(name):
+    """The category of a kernel name (CATEGORIES; "other" when none matches)."""
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def report_categories(totals, iters):
+    """Prints the kernel time per call grouped by `category`, with launch counts."""
+    groups = collections.defaultdict(lambda: [0, 0])
+    for name, (t, n) in totals.items():
+        g = groups[category(name)]
+        g[0] += t
+        g[1] += n
+    total = sum(t for t, _ in groups.values())
+    print("| category | ms per call | launches per call | share |\n|---|---|---|---|")
+    for cat, (t, n) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
+        print(f"| {cat} | {t / iters / 1e6:.2f} | {n / iters:g} | {100 * t / max(total, 1):.1f}% |")
+    print(f"| **sum of kernel times** | {total / iters / 1e6:.2f} | | |", flush=True)
 
 
 def report(totals, iters, top=30):

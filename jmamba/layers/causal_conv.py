@@ -1,4 +1,5 @@
-"""Causal depthwise conv1d with a carried left context and document-boundary resets.
+"""Causal depthwise conv1d with a carried left context and document-boundary resets (the math is the
+op `jmamba.ops.causal_conv1d`; this module holds the layer and its init).
 
     x̃ = concat_time(S_conv, x)                         [Bt, K-1+T, E]
     c_t[e] = bias[e] + Σ_k kernel[k, e] · x̃[t + k, e]   tap K-1 multiplies x_t, tap 0 x_{t-K+1}
@@ -13,50 +14,13 @@ stay float64).
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from flax import nnx
 
-from jmamba.core.dtypes import accum_dtype
+from jmamba.ops import causal_conv1d as causal_conv
+from jmamba.ops import causal_conv1d_step as causal_conv_step
 from jmamba.layers.initializers import torch_linear_uniform
 
-
-def causal_conv(x, conv_state, kernel, bias, reset=None):
-    """Depthwise causal convolution over time.
-
-    Args:
-      x: [Bt, T, E] new inputs.
-      conv_state: [Bt, K-1, E] the K-1 inputs before x, oldest first.
-      kernel: [K, E]. bias: [E] or None.
-      reset: optional [Bt, T] bool; True at t means nothing before t is seen by outputs ≥ t.
-
-    Returns:
-      (c [Bt, T, E] float32, new_state [Bt, K-1, E] float32 = the last K-1 inputs).
-    """
-    f32 = accum_dtype(x.dtype, kernel.dtype)
-    k_size = kernel.shape[0]
-    seqlen = x.shape[1]
-    xt = jnp.concatenate([conv_state.astype(f32), x.astype(f32)], axis=1)   # [Bt, K-1+T, E]
-    w = kernel.astype(f32)
-    if reset is None:
-        c = sum(w[k] * xt[:, k:k + seqlen] for k in range(k_size))
-        new_state = xt[:, seqlen:]
-    else:
-        # Segment id of every position of x̃: the carried context is segment 0, each reset starts a new one.
-        seg_x = jnp.cumsum(reset.astype(jnp.int32), axis=1)                   # [Bt, T]
-        seg = jnp.concatenate([jnp.zeros((x.shape[0], k_size - 1), jnp.int32), seg_x], axis=1)
-        c = sum(w[k] * jnp.where((seg[:, k:k + seqlen] == seg_x)[..., None], xt[:, k:k + seqlen], 0.0)
-                for k in range(k_size))
-        keep = (seg[:, seqlen:] == seg_x[:, -1:])[..., None]
-        new_state = jnp.where(keep, xt[:, seqlen:], 0.0)
-    return (c if bias is None else c + bias.astype(f32)), new_state
-
-
-def causal_conv_step(x_t, conv_state, kernel, bias):
-    """One decode step. x_t: [Bt, E]; conv_state: [Bt, K-1, E] -> (c_t [Bt, E] f32, new_state)."""
-    f32 = accum_dtype(x_t.dtype, kernel.dtype)
-    win = jnp.concatenate([conv_state.astype(f32), x_t.astype(f32)[:, None]], axis=1)  # [Bt, K, E]
-    c = jnp.sum(win * kernel.astype(f32), axis=1)
-    return (c if bias is None else c + bias.astype(f32)), win[:, 1:]
+__all__ = ["CausalConv1d", "causal_conv", "causal_conv_step"]
 
 
 class CausalConv1d(nnx.Module):

@@ -1,11 +1,14 @@
 """`Mamba1Mixer`: one Mamba-1 (S6) mixer layer, no residual and no norm (docs/mamba1.md §3.3).
 
     xz = x_in · W_in                    [Bt, T, 2E] -> x, z
-    c  = causal_conv(S_conv ++ x)       [Bt, T, E]
-    u  = silu(c)
-    Δin, B, C = split(u · W_x, [R, N, N])
-    y  = selective_scan(u, Δin · W_dt, A = −exp(A_log), B, C, D, z, delta_bias = b_dt, softplus)
+    c  = causal_conv(S_conv ++ x)       [Bt, T, E]                       ┐
+    u  = silu(c)                                                         │ one op:
+    Δin, B, C = split(u · W_x, [R, N, N])                                │ ops.mamba1_mixer_core
+    y  = selective_scan(u, Δin · W_dt, A = −exp(A_log), B, C, D, z, delta_bias = b_dt, softplus) ┘
     out = y · W_out                     [Bt, T, D]
+
+The full-window forward calls the fused op (whose Pallas backward recomputes c, u and Δ instead of
+saving them); `step` (decode) runs the same math one position at a time with the step ops.
 
 Precision: the matmuls run in the dtype of `x_in` (the compute dtype); conv, A, Δ softplus, the scan
 state and its accumulation are float32. The recurrent state (`Mamba1LayerState`) is float32.
@@ -96,14 +99,12 @@ class Mamba1Mixer(nnx.Module):
             state = self.init_state(x.shape[0])
         xz = self.in_proj(x)
         xs, z = xz[..., :E], xz[..., E:]
-        c, conv_state = self.conv1d(xs, state.conv, reset)
-        u = jax.nn.silu(c).astype(x.dtype)
-        dt_in, Bm, Cm = self._split_x_dbl(u)
-        delta = jnp.dot(dt_in, self.dt_proj.kernel[...].astype(x.dtype))
-        y, ssm_state = ops.selective_scan(
-            u, delta, self._A(), Bm, Cm, self.D[...], z, self.dt_proj.bias[...], delta_softplus=True,
-            initial_state=ops.SelectiveScanState(state.ssm), return_final_state=True, reset=reset)
-        return self.out_proj(y), Mamba1LayerState(conv=conv_state, ssm=ssm_state.ssm)
+        y, core_state = ops.mamba1_mixer_core(
+            xs, z, self.conv1d.kernel[...], self.conv1d._bias(), self.x_proj.kernel[...],
+            self.dt_proj.kernel[...], self.dt_proj.bias[...], self._A(), self.D[...],
+            initial_state=ops.Mamba1CoreState(conv=state.conv, ssm=state.ssm), return_final_state=True,
+            reset=reset)
+        return self.out_proj(y), Mamba1LayerState(conv=core_state.conv, ssm=core_state.ssm)
 
     def _A(self):
         """A = −exp(A_log) [E, N] in float32 (float64 for float64 masters)."""

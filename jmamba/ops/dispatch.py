@@ -1,7 +1,7 @@
 """Choosing an implementation of an op: `"reference" | "xla" | "pallas"` or automatic.
 
-Every op (`selective_scan`, `selective_scan_step`, `mamba3_siso_scan`, `mamba3_siso_step`,
-`adamw_update`) registers its implementations here with a `supported(**arrays) -> str | None`
+Every op (`selective_scan`, `selective_scan_step`, `mamba1_mixer_core`, `mamba3_siso_scan`,
+`mamba3_siso_step`, `adamw_update`) registers its implementations here with a `supported(**arrays) -> str | None`
 predicate that explains, in words, why an implementation cannot handle a call. The rules
 (docs/api.md):
 
@@ -74,6 +74,11 @@ def prefer(op: str, implementation: str):
             _PREFERRED.pop(op, None)
         else:
             _PREFERRED[op] = old
+
+
+def preferred(op: str) -> str | None:
+    """The implementation preferred for `op` by an enclosing `prefer` block, or None."""
+    return _PREFERRED.get(op)
 
 
 def register(op: str, name: str, loader: Callable[[], Implementation]) -> None:

@@ -43,11 +43,12 @@ class ScanBlockConfig:
         (within the ~10% run-to-run spread), the default is on because the tables were measured so.
     """
 
-    # Defaults: the best fwd+bwd of the 2026-11-30 H200 sweeps (benchmarks/notes_selective_scan.md).
+    # Defaults: the best fwd+bwd of the 2026-11-30 H200 sweeps, bwd_sub_chunk from the 2026-12-01
+    # backward sweep (2 states in registers: fwd+bwd 2.64 vs 3.18 ms with 4; benchmarks/notes_selective_scan.md).
     block_d: int = 32
     chunk: int = 64
     fwd_unroll: int = 8
-    bwd_sub_chunk: int = 4
+    bwd_sub_chunk: int = 2
     num_warps: int = 1
     num_stages: int = 1
     bwd_block_d: int | None = None

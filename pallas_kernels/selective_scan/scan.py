@@ -51,8 +51,16 @@ def selective_scan_pallas(u, delta, A, B, C, D, z, delta_bias, initial_state, re
     """
     problem = make_problem(u, A, B, D, z, delta_bias, reset, delta_softplus=delta_softplus, config=config,
                            interpret=interpret)
-    bsz, seqlen, d = u.shape
-    n = A.shape[1]
+    operands = padded_operands(problem, u, delta, A, B, C, D, z, delta_bias, initial_state, reset)
+    out, last = _scan(problem, *operands)
+    return unpadded_outputs(problem, out, last, A.shape[1])
+
+
+def padded_operands(problem: ScanProblem, u, delta, A, B, C, D, z, delta_bias, initial_state, reset):
+    """The kernels' operands in their padded layout (see the module docstring):
+    (u, delta, A_t [n_pad, d] f32, B, C [Bt, Tp, g, n_pad], D f32, z, bias f32, h0 [Bt, n_pad, d] f32,
+    keep [Bt, Tp] f32 or None). Linear in the arrays (pads, transposes, casts)."""
+    bsz, _, d = u.shape
     n_pad, padded_seqlen = problem.n, problem.padded_seqlen
 
     def pad_time(x):   # [Bt, T, ...] -> [Bt, Tp, ...]; optional operands stay None
@@ -64,14 +72,69 @@ def selective_scan_pallas(u, delta, A, B, C, D, z, delta_bias, initial_state, re
     A_t = pad_state(A.astype(F32), 1).T                                     # [n, d]
     h0 = (jnp.zeros((bsz, n_pad, d), F32) if initial_state is None
           else jnp.swapaxes(pad_state(initial_state.astype(F32), 2), 1, 2))  # [Bt, n, d]
-    keep = None
-    if reset is not None:  # 1.0 keeps the incoming state; padding steps are no resets
-        keep = pad_axis_to(jnp.logical_not(reset).astype(F32), 1, padded_seqlen, value=1.0)
-    out, last = _scan(problem, pad_time(u), pad_time(delta), A_t, pad_time(pad_state(B, 3)),
-                      pad_time(pad_state(C, 3)), None if D is None else D.astype(F32), pad_time(z),
-                      None if delta_bias is None else delta_bias.astype(F32), h0, keep)
-    final_state = jnp.swapaxes(last, 1, 2)[:, :, :n]
-    return out[:, :seqlen], final_state
+    return (pad_time(u), pad_time(delta), A_t, pad_time(pad_state(B, 3)), pad_time(pad_state(C, 3)),
+            None if D is None else D.astype(F32), pad_time(z),
+            None if delta_bias is None else delta_bias.astype(F32), h0, padded_keep(problem, reset))
+
+
+def padded_keep(problem: ScanProblem, reset):
+    """[Bt, Tp] float32: 1.0 keeps the incoming state, 0.0 at a reset; padding steps are no resets."""
+    if reset is None:
+        return None
+    return pad_axis_to(jnp.logical_not(reset).astype(F32), 1, problem.padded_seqlen, value=1.0)
+
+
+def unpadded_outputs(problem: ScanProblem, out, last, n):
+    """(out [Bt, T, d], final_state [Bt, d, n] f32) from the kernels' padded results."""
+    return out[:, :problem.seqlen], jnp.swapaxes(last, 1, 2)[:, :, :n]
+
+
+def selective_scan_forward(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, *, delta_softplus,
+                           config: ScanBlockConfig | None = None, interpret: bool = False):
+    """`selective_scan_pallas`'s forward, also returning what `selective_scan_backward` needs.
+
+    For ops that wrap the scan in their own `custom_vjp` (e.g. the fused Mamba-1 mixer core, which
+    recomputes u and delta in its backward instead of saving them). Same arguments as
+    `selective_scan_pallas`.
+
+    Returns:
+      (out [Bt, T, d] in u.dtype, final_state [Bt, d, n] f32, residuals): residuals is a tuple of
+      arrays (chunk-start states [Bt, nc, n_pad, d] f32, δ sums [Bt, nc, d] f32), nothing per position.
+    """
+    problem = make_problem(u, A, B, D, z, delta_bias, reset, delta_softplus=delta_softplus, config=config,
+                           interpret=interpret)
+    operands = padded_operands(problem, u, delta, A, B, C, D, z, delta_bias, initial_state, reset)
+    out, last, residuals = _scan_forward(problem, *operands)
+    return unpadded_outputs(problem, out, last, A.shape[1]) + (residuals,)
+
+
+def selective_scan_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, residuals, d_out,
+                            d_final_state, *, delta_softplus, config: ScanBlockConfig | None = None,
+                            interpret: bool = False):
+    """Cotangents of `selective_scan_forward` from its residuals (the same kernels as the custom_vjp).
+
+    Args:
+      u ... reset: the forward's arguments (the same arrays, or a bit-identical recomputation).
+      residuals: the third result of `selective_scan_forward`.
+      d_out: [Bt, T, d] cotangent of out. d_final_state: [Bt, d, n] cotangent of the final state.
+
+    Returns:
+      (du, d_delta, dA, dB, dC, dD, dz, d_delta_bias, d_initial_state), each like its argument
+      (None where the argument is None).
+    """
+    problem = make_problem(u, A, B, D, z, delta_bias, reset, delta_softplus=delta_softplus, config=config,
+                           interpret=interpret)
+    n = A.shape[1]
+
+    def diff_operands(u, delta, A, B, C, D, z, delta_bias, initial_state):
+        return padded_operands(problem, u, delta, A, B, C, D, z, delta_bias, initial_state, None)[:9]
+
+    operands, operands_vjp = jax.vjp(diff_operands, u, delta, A, B, C, D, z, delta_bias, initial_state)
+    d_out_p = pad_axis_to(d_out, 1, problem.padded_seqlen)
+    d_last = jnp.swapaxes(pad_axis_to(d_final_state.astype(F32), 2, problem.n), 1, 2)
+    cot = _scan_bwd(problem, operands[:8] + (padded_keep(problem, reset),) + tuple(residuals), (d_out_p, d_last))
+    cot = tuple(None if c is None else c.astype(o.dtype) for c, o in zip(cot[:9], operands))
+    return operands_vjp(cot)
 
 
 def make_problem(u, A, B, D, z, delta_bias, reset, *, delta_softplus, config=None, interpret=False) -> ScanProblem:

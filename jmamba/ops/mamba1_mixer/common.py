@@ -1,0 +1,112 @@
+"""Pieces shared by every implementation of `mamba1_mixer_core` (pure JAX): the state type, the
+causal depthwise conv1d (with carried context and resets) and the per-position preprocessing that
+turns the pre-conv input into the scan's operands (docs/mamba1.md §3.3).
+
+    x̃ = concat_time(S_conv, x)                         [Bt, K-1+T, E]
+    c_t[e] = bias[e] + Σ_k kernel[k, e] · x̃[t + k, e]   tap K-1 multiplies x_t, tap 0 x_{t-K+1}
+    u = silu(c)  (rounded to x.dtype);  Δin, B, C = split(u · W_x, [R, N, N]);  delta = Δin · W_dt
+
+Numerics: the conv is float32 (K multiply-adds per element; float64 inputs stay float64); the two
+matmuls run in x.dtype (the compute dtype), as the unfused mixer always did.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jmamba.core.dtypes import accum_dtype
+
+
+class Mamba1CoreState(NamedTuple):
+    """Recurrent state of one Mamba-1 mixer core.
+
+    Attributes:
+      conv: [Bt, K-1, E] float32, the last K-1 pre-conv inputs x, oldest first.
+      ssm: [Bt, E, N] float32, the scan state h.
+    """
+
+    conv: jax.Array
+    ssm: jax.Array
+
+
+def causal_conv1d(x, conv_state, kernel, bias, reset=None):
+    """Depthwise causal convolution over time (PyTorch cross-correlation with padding K-1, first T
+    outputs kept; `kernel[k, e] = conv1d.weight[e, 0, k]`).
+
+    With a reset mask, an input older than the most recent reset at or before t is treated as zero,
+    exactly as if the sequence had restarted there; the returned state is zeroed likewise, so a window
+    boundary is invisible.
+
+    Args:
+      x: [Bt, T, E] new inputs.
+      conv_state: [Bt, K-1, E] the K-1 inputs before x, oldest first.
+      kernel: [K, E]. bias: [E] or None.
+      reset: optional [Bt, T] bool; True at t means nothing before t is seen by outputs ≥ t.
+
+    Returns:
+      (c [Bt, T, E] float32, new_state [Bt, K-1, E] float32 = the last K-1 inputs).
+    """
+    f32 = accum_dtype(x.dtype, kernel.dtype)
+    k_size = kernel.shape[0]
+    seqlen = x.shape[1]
+    state, xf, w = conv_state.astype(f32), x.astype(f32), kernel.astype(f32)
+
+    def tap_input(k):
+        """x̃[t + k] for t < T: [Bt, T, E]. One small concatenation per tap (fused by XLA into its
+        consumer) rather than one materialized [Bt, K-1+T, E] float32 copy shared by every tap."""
+        j = k_size - 1 - k                      # how far back tap k looks
+        if j == 0:
+            return xf
+        if j >= seqlen:
+            return state[:, k:k + seqlen]
+        return jnp.concatenate([state[:, k:], xf[:, :seqlen - j]], axis=1)
+
+    if k_size == 1:
+        new_state = state
+    elif seqlen >= k_size - 1:
+        new_state = xf[:, seqlen - (k_size - 1):]
+    else:
+        new_state = jnp.concatenate([state[:, seqlen:], xf], axis=1)
+    if reset is None:
+        c = sum(w[k] * tap_input(k) for k in range(k_size))
+    else:
+        # Segment id of every position of x̃: the carried context is segment 0, each reset starts a new one.
+        seg_x = jnp.cumsum(reset.astype(jnp.int32), axis=1)                   # [Bt, T]
+        seg = jnp.concatenate([jnp.zeros((x.shape[0], k_size - 1), jnp.int32), seg_x], axis=1)
+        c = sum(w[k] * jnp.where((seg[:, k:k + seqlen] == seg_x)[..., None], tap_input(k), 0.0)
+                for k in range(k_size))
+        keep = (seg[:, seqlen:] == seg_x[:, -1:])[..., None]
+        new_state = jnp.where(keep, new_state, 0.0)
+    return (c if bias is None else c + bias.astype(f32)), new_state
+
+
+def causal_conv1d_step(x_t, conv_state, kernel, bias):
+    """One decode step. x_t: [Bt, E]; conv_state: [Bt, K-1, E] -> (c_t [Bt, E] f32, new_state)."""
+    f32 = accum_dtype(x_t.dtype, kernel.dtype)
+    win = jnp.concatenate([conv_state.astype(f32), x_t.astype(f32)[:, None]], axis=1)  # [Bt, K, E]
+    c = jnp.sum(win * kernel.astype(f32), axis=1)
+    return (c if bias is None else c + bias.astype(f32)), win[:, 1:]
+
+
+def scan_operands(x, conv_state, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, reset):
+    """The selective scan's per-position operands from the pre-conv input (module docstring).
+
+    Args:
+      x: [Bt, T, E] pre-conv input (compute dtype). conv_state: [Bt, K-1, E]. conv_kernel: [K, E].
+      conv_bias: [E] or None. x_proj_kernel: [E, R+2N]. dt_proj_kernel: [R, E]. reset: [Bt, T] bool or None.
+
+    Returns:
+      (u [Bt, T, E] x.dtype, delta [Bt, T, E] x.dtype (before bias and softplus), B, C [Bt, T, 1, N]
+      x.dtype, new conv state [Bt, K-1, E] float32).
+    """
+    rank = dt_proj_kernel.shape[0]
+    n = (x_proj_kernel.shape[1] - rank) // 2
+    c, new_conv = causal_conv1d(x, conv_state, conv_kernel, conv_bias, reset)
+    u = jax.nn.silu(c).astype(x.dtype)
+    x_dbl = jnp.dot(u, x_proj_kernel.astype(u.dtype))
+    dt_in, Bm, Cm = x_dbl[..., :rank], x_dbl[..., rank:rank + n], x_dbl[..., rank + n:]
+    delta = jnp.dot(dt_in, dt_proj_kernel.astype(x.dtype))
+    return u, delta, Bm[..., None, :], Cm[..., None, :], new_conv

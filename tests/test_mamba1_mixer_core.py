@@ -1,0 +1,339 @@
+"""`jmamba.ops.mamba1_mixer_core`, the fused Mamba-1 mixer core: every implementation against a float64
+numpy oracle (values) and the "reference" composition (values and every cotangent, both states
+included), dtypes, odd sizes, resets, the forward equal to the unfused composition bit for bit, what the
+Pallas backward saves, decode agreeing with the full forward, bad input, and the H200 runs."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers import assert_close
+from jmamba import ops
+from jmamba.ops import Mamba1CoreState, dispatch, mamba1_mixer_core
+from jmamba.ops.mamba1_mixer.common import scan_operands
+
+ARG_NAMES = ("x", "z", "conv_kernel", "conv_bias", "x_proj_kernel", "dt_proj_kernel", "dt_bias", "A", "D")
+
+
+def make_inputs(bsz, seqlen, e, n, rank, k, dtype, *, seed=0, with_z=True, with_D=True, with_conv_bias=True,
+                with_dt_bias=True, with_state=True, reset=None):
+    """(args dict, initial_state or None, reset or None); x, z in `dtype`, parameters float32."""
+    rng = np.random.default_rng(seed)
+
+    def f(*s, scale=1.0, dt=jnp.float32):
+        return jnp.asarray(scale * rng.normal(size=s), dt)
+
+    args = dict(x=f(bsz, seqlen, e, dt=dtype), z=f(bsz, seqlen, e, dt=dtype) if with_z else None,
+                conv_kernel=f(k, e, scale=0.5), conv_bias=f(e, scale=0.2) if with_conv_bias else None,
+                x_proj_kernel=f(e, rank + 2 * n, scale=e ** -0.5), dt_proj_kernel=f(rank, e, scale=rank ** -0.5),
+                dt_bias=f(e, scale=0.3) - 1.0 if with_dt_bias else None,
+                A=-jnp.exp(f(e, n, scale=0.5)), D=f(e) if with_D else None)
+    state = (Mamba1CoreState(conv=f(bsz, k - 1, e), ssm=f(bsz, e, n, scale=0.3)) if with_state else None)
+    if reset == "rows":
+        reset = jnp.asarray(np.arange(bsz) % 2 == 1)
+    elif reset == "positions":
+        reset = jnp.asarray(rng.random((bsz, seqlen)) < 0.08)
+    return args, state, reset
+
+
+def run(impl, args, state, reset):
+    return mamba1_mixer_core(*(args[k] for k in ARG_NAMES), initial_state=state, return_final_state=True,
+                             reset=reset, implementation=impl)
+
+
+# ------------------------------------------------------------------------------------------ numpy oracle
+def numpy_oracle(args, state, reset):
+    """Float64 numpy: conv with carried context and resets, SiLU, the projections, the S6 recurrence."""
+    a = {k: None if v is None else np.asarray(v, np.float64) for k, v in args.items()}
+    x, z, w, A = a["x"], a["z"], a["conv_kernel"], a["A"]
+    bsz, seqlen, e = x.shape
+    k = w.shape[0]
+    n = A.shape[1]
+    rank = a["dt_proj_kernel"].shape[0]
+    conv = np.zeros((bsz, k - 1, e)) if state is None else np.asarray(state.conv, np.float64).copy()
+    h = np.zeros((bsz, e, n)) if state is None else np.asarray(state.ssm, np.float64).copy()
+    rs = np.zeros((bsz, seqlen), bool) if reset is None else np.asarray(reset)
+    if rs.ndim == 1:
+        rs = np.concatenate([rs[:, None], np.zeros((bsz, seqlen - 1), bool)], axis=1)
+    y = np.zeros((bsz, seqlen, e))
+    for b in range(bsz):
+        hist = list(conv[b])                 # the last K-1 inputs, oldest first
+        hb = h[b]
+        for t in range(seqlen):
+            if rs[b, t]:
+                hist = [np.zeros(e)] * (k - 1)
+                hb = np.zeros((e, n))
+            win = hist + [x[b, t]]
+            c = sum(w[i] * win[i] for i in range(k)) + (0.0 if a["conv_bias"] is None else a["conv_bias"])
+            u = c / (1.0 + np.exp(-c))
+            xd = u @ a["x_proj_kernel"]
+            dt = xd[:rank] @ a["dt_proj_kernel"] + (0.0 if a["dt_bias"] is None else a["dt_bias"])
+            dt = np.where(dt > 20.0, dt, np.log1p(np.exp(np.minimum(dt, 20.0))))
+            Bv, Cv = xd[rank:rank + n], xd[rank + n:]
+            hb = np.exp(dt[:, None] * A) * hb + (dt * u)[:, None] * Bv[None, :]
+            yt = hb @ Cv + (0.0 if a["D"] is None else a["D"] * u)
+            if z is not None:
+                yt = yt * z[b, t] / (1.0 + np.exp(-z[b, t]))
+            y[b, t] = yt
+            hist = win[1:]
+        conv[b] = np.stack(hist) if k > 1 else conv[b]
+        h[b] = hb
+    return y, conv, h
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
+def test_values_match_numpy_oracle(impl):
+    args, state, reset = make_inputs(2, 29, 16, 4, 3, 4, jnp.float32, reset="positions")
+    y, st = run(impl, args, state, reset)
+    want_y, want_conv, want_h = numpy_oracle(args, state, reset)
+    assert y.dtype == jnp.float32 and st.conv.dtype == jnp.float32 and st.ssm.dtype == jnp.float32
+    assert_close("y", y, want_y, 2e-5)
+    assert_close("conv state", st.conv, want_conv, 1e-6)
+    assert_close("ssm state", st.ssm, want_h, 2e-5)
+
+
+# ------------------------------------------------------------------------- every cotangent vs reference
+CASES = [
+    # (bsz, T, E, N, R, K), dtype, options, tolerance
+    ((2, 37, 32, 5, 4, 4), jnp.float32, dict(reset="positions"), 3e-5),
+    ((3, 45, 24, 3, 2, 3), jnp.bfloat16, dict(reset="rows", with_z=False, with_D=False, with_conv_bias=False), 4e-2),
+    ((2, 33, 16, 4, 3, 4), jnp.float16, dict(with_state=False, with_dt_bias=False), 1e-2),
+    ((1, 20, 8, 2, 1, 1), jnp.float32, dict(reset="rows"), 3e-5),                      # K = 1: no conv state
+]
+
+
+def _loss_and_grads(impl, args, state, reset):
+    present = tuple(k for k in ARG_NAMES if args[k] is not None)
+
+    def loss(vals, st):
+        full = dict(args, **dict(zip(present, vals)))
+        y, s2 = run(impl, full, st, reset)
+        yf = y.astype(jnp.float32)
+        return jnp.sum(yf * jnp.cos(yf)) + 0.7 * jnp.sum(jnp.sin(s2.conv)) + jnp.sum(jnp.tanh(s2.ssm))
+
+    vals = tuple(args[k] for k in present)
+    value, (g_vals, g_state) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(vals, state)
+    return value, dict(zip(present, g_vals)), g_state
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("shape,dtype,options,tol", CASES, ids=["f32-resets", "bf16-rows-bare", "f16-no-state",
+                                                                 "k1-f32"])
+def test_values_and_every_cotangent_match_reference(impl, shape, dtype, options, tol):
+    args, state, reset = make_inputs(*shape, dtype, **options)
+    if state is None:   # gradients into zero states are still checked: pass explicit zeros
+        bsz, _, e, n, _, k = shape
+        state = Mamba1CoreState(conv=jnp.zeros((bsz, k - 1, e)), ssm=jnp.zeros((bsz, e, n)))
+    got_v, got, got_s = _loss_and_grads(impl, args, state, reset)
+    want_v, want, want_s = _loss_and_grads("reference", args, state, reset)
+    assert_close("loss", got_v, want_v, tol)
+    for name in want:
+        assert got[name].dtype == args[name].dtype, name
+        assert_close(f"d{name}", got[name], want[name], tol)
+    assert_close("d initial_state.conv", got_s.conv, want_s.conv, tol)
+    assert_close("d initial_state.ssm", got_s.ssm, want_s.ssm, tol)
+
+
+def test_forward_is_the_unfused_composition_bit_for_bit():
+    """The op's forward is exactly scan_operands + selective_scan (what the mixer used to call)."""
+    args, state, reset = make_inputs(2, 40, 16, 4, 3, 4, jnp.bfloat16, reset="positions")
+    for impl in ("pallas", "xla"):
+        y, st = run(impl, args, state, reset)
+        u, delta, Bm, Cm, conv = scan_operands(args["x"], state.conv, args["conv_kernel"], args["conv_bias"],
+                                               args["x_proj_kernel"], args["dt_proj_kernel"], reset)
+        want_y, want_h = ops.selective_scan(u, delta, args["A"], Bm, Cm, args["D"], args["z"], args["dt_bias"],
+                                            delta_softplus=True, initial_state=ops.SelectiveScanState(state.ssm),
+                                            return_final_state=True, reset=reset, implementation=impl)
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want_y, np.float32), err_msg=impl)
+        np.testing.assert_array_equal(np.asarray(st.ssm), np.asarray(want_h.ssm), err_msg=impl)
+        np.testing.assert_array_equal(np.asarray(st.conv), np.asarray(conv), err_msg=impl)
+
+
+def test_pallas_backward_saves_no_per_position_activation_but_x_and_z():
+    """The Pallas path keeps x and z ([Bt, T, E] in the compute dtype) and nothing else per position
+    of width E: the conv output, u and delta are recomputed in the backward. The plain composition
+    keeps several (this is what the fused op is for)."""
+    from jax._src.ad_checkpoint import saved_residuals   # print_saved_residuals only prints
+
+    bsz, seqlen, e = 2, 64, 16
+    args, state, reset = make_inputs(bsz, seqlen, e, 4, 3, 4, jnp.bfloat16)
+    present = tuple(k for k in ARG_NAMES if args[k] is not None)
+
+    def per_position(impl):
+        def f(*vals):
+            return run(impl, dict(args, **dict(zip(present, vals))), state, reset)[0]
+        res = saved_residuals(f, *(args[k] for k in present))
+        return [aval for aval, _ in res if tuple(aval.shape[:2]) == (bsz, seqlen) and aval.shape[-1] == e]
+
+    fused = per_position("pallas")
+    assert len(fused) == 2 and all(a.dtype == jnp.bfloat16 for a in fused), fused
+    assert len(per_position("xla")) > 2
+
+
+def test_reruns_are_bit_identical():
+    args, state, reset = make_inputs(2, 37, 16, 4, 3, 4, jnp.bfloat16, reset="positions")
+    first = _loss_and_grads("pallas", args, state, reset)
+    second = _loss_and_grads("pallas", args, state, reset)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+# ----------------------------------------------------------------------------- the model and dispatch
+def _tiny_mixer():
+    import jmamba
+    from helpers import perturbed
+    from jmamba.mamba1.mixer import Mamba1Mixer
+    cfg = jmamba.Mamba1Config(d_model=16, n_layers=1, d_state=4, expand=2, d_conv=4)
+    return perturbed(Mamba1Mixer(cfg, rngs=nnx.Rngs(0)), seed=3)
+
+
+def test_mixer_decode_agrees_with_full_forward_through_the_fused_op():
+    mixer = _tiny_mixer()
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 13, 16)), jnp.float32)
+    with dispatch.prefer("mamba1_mixer_core", "pallas"):
+        full, st_full = mixer(x)
+    st = mixer.init_state(2)
+    outs = []
+    for t in range(x.shape[1]):
+        o, st = mixer.step(x[:, t], st)
+        outs.append(o)
+    assert_close("decode vs full forward", jnp.stack(outs, 1), full, 2e-5)
+    assert_close("conv state", st.conv, st_full.conv, 1e-6)
+    assert_close("ssm state", st.ssm, st_full.ssm, 2e-5)
+
+
+def test_a_preference_for_selective_scan_steers_the_core_op(monkeypatch):
+    chosen = []
+    real = dispatch.choose
+
+    def spy(op, implementation, *a, **k):
+        chosen.append((op, implementation))
+        return real(op, implementation, *a, **k)
+
+    monkeypatch.setattr(dispatch, "choose", spy)
+    args, state, reset = make_inputs(1, 8, 8, 2, 1, 4, jnp.float32)
+    with dispatch.prefer("selective_scan", "reference"):
+        run(None, args, state, reset)
+    with dispatch.prefer("selective_scan", "reference"), dispatch.prefer("mamba1_mixer_core", "xla"):
+        run(None, args, state, reset)
+    assert chosen == [("mamba1_mixer_core", "reference"), ("mamba1_mixer_core", "xla")]
+
+
+@pytest.mark.parametrize("change,match,exc", [
+    (dict(x=jnp.zeros((2, 8), jnp.float32)), "x must", ValueError),
+    (dict(x=jnp.zeros((2, 8, 16), jnp.int32)), "x must be a floating", TypeError),
+    (dict(z=jnp.zeros((2, 9, 16))), "z must", ValueError),
+    (dict(conv_kernel=jnp.zeros((4, 15))), "conv_kernel must", ValueError),
+    (dict(conv_kernel=jnp.zeros((0, 16))), "conv_kernel must have at least one tap", ValueError),
+    (dict(conv_bias=jnp.zeros((3,))), "conv_bias must", ValueError),
+    (dict(x_proj_kernel=jnp.zeros((16, 7))), r"x_proj_kernel must .*\[16, 11\]", ValueError),
+    (dict(dt_proj_kernel=jnp.zeros((3, 15))), "dt_proj_kernel must", ValueError),
+    (dict(dt_bias=jnp.zeros((15,))), "dt_bias must", ValueError),
+    (dict(A=jnp.zeros((15, 4))), "A must", ValueError),
+    (dict(D=jnp.zeros((2,))), "D must", ValueError),
+    (dict(initial_state=(jnp.zeros((2, 3, 16)), jnp.zeros((2, 16, 4)))), "initial_state must be a", TypeError),
+    (dict(initial_state=Mamba1CoreState(jnp.zeros((2, 2, 16)), jnp.zeros((2, 16, 4)))), "initial_state.conv", ValueError),
+    (dict(initial_state=Mamba1CoreState(jnp.zeros((2, 3, 16)), jnp.zeros((2, 16, 5)))), "initial_state.ssm", ValueError),
+    (dict(reset=jnp.zeros((2, 8), jnp.float32)), "reset", TypeError),
+    (dict(reset=jnp.zeros((3,), bool)), "reset", ValueError),
+    (dict(implementation="fast"), "implementation must be", ValueError),
+])
+def test_bad_input_raises_naming_the_argument(change, match, exc):
+    args, _, _ = make_inputs(2, 8, 16, 4, 3, 4, jnp.float32, with_state=False)
+    kw = {k: change.pop(k) for k in ("initial_state", "reset", "implementation") if k in change}
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        mamba1_mixer_core(*(args[k] for k in ARG_NAMES), **kw)
+
+
+# ------------------------------------------------------------------------ abstract H200 lowering (CPU)
+def test_fused_op_lowers_to_triton_for_h200():
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    args, state, reset = make_inputs(2, 70, 48, 16, 3, 4, jnp.bfloat16, reset="positions")
+    present = tuple(k for k in ARG_NAMES if args[k] is not None)
+
+    def loss(vals, st):
+        y, s2 = mamba1_mixer_core(*(dict(args, **dict(zip(present, vals)))[k] for k in ARG_NAMES),
+                                  initial_state=st, return_final_state=True, reset=reset, implementation="pallas")
+        return jnp.sum(y.astype(jnp.float32)) + jnp.sum(s2.ssm) + jnp.sum(s2.conv)
+
+    from jmamba.ops.mamba1_mixer import pallas as glue
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(glue, "interpret_mode", lambda: False)
+    try:
+        device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+        mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+        specs = (tuple(jax.ShapeDtypeStruct(args[k].shape, args[k].dtype) for k in present),
+                 jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state))
+        with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+            warnings.simplefilter("ignore", DeprecationWarning)
+            text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*specs).lower(
+                lowering_platforms=("cuda",)).as_text()
+    finally:
+        monkey.undo()
+    # the scan's forward (summaries, combine, outputs) and backward (adjoints, combine, gradients)
+    assert text.count("__gpu$xla.gpu.triton") == 6
+
+
+# --------------------------------------------------------------------------------------------- H200
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,dtype,options,floor", [
+    ((2, 2048, 1536, 16, 48, 4), jnp.bfloat16, dict(reset="positions"), 1e-2),
+    ((2, 1000, 96, 16, 6, 4), jnp.float32, dict(reset="rows"), 3e-4),
+    ((2, 777, 64, 5, 4, 3), jnp.float16, dict(with_state=False, with_conv_bias=False), 5e-3),
+], ids=["perf-width-bf16", "f32-rows", "f16-odd"])
+def test_gpu_values_and_every_cotangent_are_as_close_to_float32_as_the_reference(shape, dtype, options, floor):
+    """At long lengths a low-precision run's cotangents drift from the float32 truth by up to ~1e-1
+    (bf16, T=2048: the reference itself); so each Pallas cotangent must be within 1.5× the
+    reference's own error in the same dtype, plus `floor` (float32: the truth is the reference
+    itself, so the bound is `floor`). The references run on the CPU: XLA:GPU keeps excess precision
+    inside fusions (it skips the rounding of u and delta to the compute dtype that the kernels'
+    operands must have), so a GPU reference would not round as the op's definition does; the Pallas
+    run uses "highest" matmul precision (XLA:GPU runs float32 dots as TF32 by default)."""
+    from helpers import rel_err
+    args, state, reset = make_inputs(*shape, dtype, **options)
+    if state is None:
+        bsz, _, e, n, _, k = shape
+        state = Mamba1CoreState(conv=jnp.zeros((bsz, k - 1, e)), ssm=jnp.zeros((bsz, e, n)))
+    truth_args = dict(args, x=args["x"].astype(jnp.float32),
+                      z=None if args["z"] is None else args["z"].astype(jnp.float32))
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        on_cpu = jax.device_put((truth_args, args, state, reset), cpu)
+        _, truth, truth_s = _loss_and_grads("reference", on_cpu[0], on_cpu[2], on_cpu[3])
+        _, same, same_s = _loss_and_grads("reference", *on_cpu[1:])
+    with jax.default_matmul_precision("highest"):   # float32 dots on the GPU default to TF32
+        _, got, got_s = _loss_and_grads("pallas", args, state, reset)
+    pairs = [(f"d{k}", got[k], same[k], truth[k]) for k in truth]
+    pairs += [("d initial_state.conv", got_s.conv, same_s.conv, truth_s.conv),
+              ("d initial_state.ssm", got_s.ssm, same_s.ssm, truth_s.ssm)]
+    for name, g, s, t in pairs:
+        bound = 1.5 * rel_err(s, t) + floor
+        assert rel_err(g, t) <= bound, f"{name}: {rel_err(g, t):.3e} from float32 > {bound:.3e}"
+
+
+@pytest.mark.gpu
+def test_gpu_reruns_are_bit_identical_at_the_benchmark_shape():
+    args, state, reset = make_inputs(8, 2048, 1536, 16, 48, 4, jnp.bfloat16)
+    first = _loss_and_grads("pallas", args, state, reset)
+    second = _loss_and_grads("pallas", args, state, reset)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.gpu
+def test_gpu_automatic_choice_is_pallas(monkeypatch):
+    chosen = []
+    real = dispatch.choose
+    monkeypatch.setattr(dispatch, "choose", lambda op, impl, *a, **k: chosen.append(real(op, impl, *a, **k)) or chosen[-1])
+    args, state, reset = make_inputs(1, 64, 32, 4, 2, 4, jnp.bfloat16)
+    run(None, args, state, reset)
+    from jmamba.ops.mamba1_mixer.pallas import mamba1_mixer_core_pallas
+    assert chosen[-1].fn is mamba1_mixer_core_pallas
