@@ -3,6 +3,9 @@
 # under its own time limit, logs in $OUT (set by the device tool; defaults to ./gpu_logs).
 #   bash benchmarks/gpu_session.sh [stage ...]     stages: tests m3_tests m3_bench m3_profile adamw_tests adamw
 #                                                  e2e1 e2e3 e2e1_old e2e3_old remat1 noguard1 soak decode dp2
+#                                                  anchors_build side_ops side_train side_long e2e1_prof e2e3p e2e1_long
+# anchors_* / side_*: the official kernels and PyTorch model (the anchors folder copied to .anchors, carried):
+# anchors_build starts their CUDA build in the background (~7 min), side_* wait for it.
 #                                                  (default: the list in `stages=` below)
 # e2e*_old time the tree of an earlier commit unpacked in .old/ (git archive REV | tar -x -C .old; carry
 # .old), for a before/after ratio in one call.
@@ -12,6 +15,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD PYTHONWARNINGS=ignore::DeprecationWarn
 export JAX_COMPILATION_CACHE_DIR=/tmp/jcc JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 stages=${*:-tests adamw_tests e2e1 e2e3 m3_profile adamw dp2 m3_bench}
+wait_anchors() {  # both official CUDA extensions built (at most 9 min after anchors_build)
+  local t=0
+  until ls /tmp/ab/ss/selective_scan_cuda*.so /tmp/ab/cc/causal_conv1d_cuda*.so > /dev/null 2>&1; do
+    sleep 5; t=$((t + 5)); if [ $t -ge 540 ]; then echo "anchors not built"; tail -5 "$OUT/anchors_build.log"; return 1; fi
+  done
+}
 run() {  # name, seconds, command...
   local name=$1 secs=$2; shift 2
   echo "=== $name (limit ${secs}s) ==="
@@ -40,5 +49,12 @@ for s in $stages; do case $s in
   decode)      run decode 240 python3 benchmarks/bench_decode.py --arch mamba1 ;;
   dp2)         run dp_equivalence 50 python3 tests/data_parallel_worker.py "$OUT/dp2.json" mamba1 mamba1_fsdp mamba3 f16_scaler ;
                run dp_throughput 90 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer $OPT --steps 5 --warmup 2 --devices 2 ;;
+  anchors_build) setsid nohup python3 .anchors/build.py /tmp/ab > "$OUT/anchors_build.log" 2>&1 < /dev/null & ;;
+  side_ops)    wait_anchors && run side_by_side_ops 240 python3 .anchors/side_by_side.py /tmp/ab ops --project . ;;
+  side_train)  wait_anchors && run side_by_side_train 200 python3 .anchors/side_by_side.py /tmp/ab train ;;
+  side_long)   wait_anchors && run side_by_side_train_long 150 python3 -c "import sys; sys.argv = ['x', '/tmp/ab', 'none']; sys.path.insert(0, '.anchors'); import side_by_side as s; s.train('Mamba1', b=1, l=65536)" ;;
+  e2e1_prof)   run e2e_mamba1_profile 170 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --profile 3 ;;
+  e2e3p)       run e2e_mamba3 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 ;;
+  e2e1_long)   run e2e_mamba1_long 170 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 5 --warmup 2 --batch-size 1 --seq-len 65536 ;;
 esac; done
 echo "=== done ==="

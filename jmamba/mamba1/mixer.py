@@ -97,8 +97,10 @@ class Mamba1Mixer(nnx.Module):
         E = self.config.d_inner
         if state is None:
             state = self.init_state(x.shape[0])
-        xz = self.in_proj(x)
-        xs, z = xz[..., :E], xz[..., E:]
+        # in_proj as two matmuls on the kernel's halves: x and z come out as separate arrays (the op
+        # saves both), so neither the forward's split nor the backward's [dx | dz] join is a copy.
+        w_in = self.in_proj.kernel[...].astype(x.dtype)
+        xs, z = jnp.dot(x, w_in[:, :E]), jnp.dot(x, w_in[:, E:])
         y, core_state = ops.mamba1_mixer_core(
             xs, z, self.conv1d.kernel[...], self.conv1d._bias(), self.x_proj.kernel[...],
             self.dt_proj.kernel[...], self.dt_proj.bias[...], self._A(), self.D[...],

@@ -114,7 +114,7 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
 
     Returns:
       dict with du, d_delta (d of the raw delta) [Bt, Tp, d] in the input dtypes, dz (if z),
-      dB_partial, dC_partial [Bt, Tp, d/block_d, n] f32, dA_partial [Bt, nc, n, d] f32,
+      dB_partial, dC_partial [d/block_d, Bt, Tp, n] f32 (block-major), dA_partial [Bt, nc, n, d] f32,
       dD_partial (if D), d_bias_partial [Bt, nc, d] f32.
     """
     cfg = problem.config
@@ -205,9 +205,9 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
     outputs = [
         ("du", jax.ShapeDtypeStruct((bsz, tp, d), ops["u"].dtype), rows_spec),
         ("d_delta", jax.ShapeDtypeStruct((bsz, tp, d), ops["delta"].dtype), rows_spec),
-        ("dB_partial", jax.ShapeDtypeStruct((bsz, tp, problem.n_channel_blocks, n), F32),
+        ("dB_partial", jax.ShapeDtypeStruct((problem.n_channel_blocks, bsz, tp, n), F32),
          grid.partial_rows(cfg.chunk, n)),
-        ("dC_partial", jax.ShapeDtypeStruct((bsz, tp, problem.n_channel_blocks, n), F32),
+        ("dC_partial", jax.ShapeDtypeStruct((problem.n_channel_blocks, bsz, tp, n), F32),
          grid.partial_rows(cfg.chunk, n)),
         ("dA_partial", jax.ShapeDtypeStruct((bsz, nc, n, d), F32), grid.chunk_state(n, bd)),
     ]

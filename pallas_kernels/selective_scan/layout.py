@@ -67,7 +67,9 @@ class ProgramGrid:
                             lambda p: (self.row(p), self.chunk(p), (self.block(p) * block_d) // group_size, 0))
 
     def partial_rows(self, chunk, n):
-        return pl.BlockSpec((None, chunk, None, n), lambda p: (self.row(p), self.chunk(p), self.block(p), 0))
+        """Per-channel-block partial rows, stored block-major [d/block_d, Bt, Tp, n]: each program writes
+        one contiguous [chunk, n] tile, and the sum over blocks reads whole contiguous slabs."""
+        return pl.BlockSpec((None, None, chunk, n), lambda p: (self.block(p), self.row(p), self.chunk(p), 0))
 
     def keep(self, chunk):
         return pl.BlockSpec((None, chunk), lambda p: (self.row(p), self.chunk(p)))

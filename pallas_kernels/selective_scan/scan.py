@@ -210,10 +210,11 @@ def _scan_bwd(problem, residuals, cotangents):
 
 def reduce_partials(g, B, C):
     """Sums the per-program partial gradients in XLA (fixed order): (dA_t, dB, dC, dD, d_bias)."""
-    def per_group(partial, like):  # [Bt, Tp, d/bd, n] -> [Bt, Tp, g, n]: sum the blocks of each group
-        bsz, tp, n_blocks, n = partial.shape
+    def per_group(partial, like):  # [d/bd, Bt, Tp, n] -> [Bt, Tp, g, n]: sum the blocks of each group
+        n_blocks, bsz, tp, n = partial.shape
         groups = like.shape[2]
-        return partial.reshape(bsz, tp, groups, n_blocks // groups, n).sum(axis=3).astype(like.dtype)
+        summed = partial.reshape(groups, n_blocks // groups, bsz, tp, n).sum(axis=1)   # [g, Bt, Tp, n]
+        return jnp.moveaxis(summed, 0, 2).astype(like.dtype)
 
     dD = g["dD_partial"].sum(axis=(0, 1)) if "dD_partial" in g else None
     d_bias = g["d_bias_partial"].sum(axis=(0, 1)) if "d_bias_partial" in g else None

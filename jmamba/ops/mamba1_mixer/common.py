@@ -48,7 +48,18 @@ def causal_conv1d(x, conv_state, kernel, bias, reset=None):
 
     Returns:
       (c [Bt, T, E] float32, new_state [Bt, K-1, E] float32 = the last K-1 inputs).
+
+    Backward: a `jax.custom_vjp` (`_conv_bwd`) that saves only the inputs (x in its own dtype) and
+    materializes nothing [Bt, T, E]-sized besides the cotangents: autodiff of the forward would keep
+    each float32 tap x̃[t + k] alive for the weight gradient, so XLA writes every tap to memory.
+    Cotangents come back in the inputs' dtypes (accumulated in float32, float64 for float64 inputs).
     """
+    return _conv(x, conv_state, kernel, bias, reset)
+
+
+@jax.custom_vjp
+def _conv(x, conv_state, kernel, bias, reset):
+    """The forward of `causal_conv1d` (the primal; also run by `_conv_fwd`)."""
     f32 = accum_dtype(x.dtype, kernel.dtype)
     k_size = kernel.shape[0]
     seqlen = x.shape[1]
@@ -81,6 +92,65 @@ def causal_conv1d(x, conv_state, kernel, bias, reset=None):
         keep = (seg[:, seqlen:] == seg_x[:, -1:])[..., None]
         new_state = jnp.where(keep, new_state, 0.0)
     return (c if bias is None else c + bias.astype(f32)), new_state
+
+
+def _conv_fwd(x, conv_state, kernel, bias, reset):
+    return _conv(x, conv_state, kernel, bias, reset), (x, conv_state, kernel, bias, reset)
+
+
+def _conv_bwd(res, cts):
+    """Cotangents of `_conv`, each a sum of shifted slices of dc (XLA fuses each into one pass).
+
+    With j = K-1-k the look-back of tap k (tap k reads x̃[t + k] = state[k + t] for t < j, else
+    x[t - j]) and m_k[b, t] = "x̃[t + k] is in t's segment" (all True without resets):
+      d_tap_k = w[k] · m_k · dc                                             [Bt, T, E]
+      dx[t] = Σ_k d_tap_k[t + j] (t + j < T)  + d_new_state routed back     [Bt, T, E]
+      d_state[k + t] += d_tap_k[t] (t < j)    + d_new_state routed back     [Bt, K-1, E]
+      dkernel[k] = Σ_{b,t} m_k · dc · x̃[t + k], as a sum over the state part and one over the x part
+                   (slices of dc and x, no concatenation); dbias = Σ_{b,t} dc.
+    new_state[i] = x̃[T + i] (zeroed where the forward's `keep` is False). Float32 accumulation
+    (float64 for float64 inputs); the cotangents are cast to the inputs' dtypes.
+    """
+    x, conv_state, kernel, bias, reset = res
+    dc, d_new = cts
+    f32 = accum_dtype(x.dtype, kernel.dtype)
+    k_size, (bt, seqlen, e) = kernel.shape[0], x.shape
+    state, xf, w = conv_state.astype(f32), x.astype(f32), kernel.astype(f32)
+    dc, d_new = dc.astype(f32), d_new.astype(f32)
+    if reset is not None:   # the forward's segment ids and masks
+        seg_x = jnp.cumsum(reset.astype(jnp.int32), axis=1)                   # [Bt, T]
+        seg = jnp.concatenate([jnp.zeros((bt, k_size - 1), jnp.int32), seg_x], axis=1)
+        d_new = jnp.where((seg[:, seqlen:] == seg_x[:, -1:])[..., None], d_new, 0.0)
+
+    def dc_tap(k, lo, hi):
+        """m_k · dc[lo:hi]: [Bt, hi-lo, E], a fresh select for each consumer (none is materialized)."""
+        d = dc[:, lo:hi]
+        return d if reset is None else jnp.where((seg[:, k + lo:k + hi] == seg_x[:, lo:hi])[..., None], d, 0.0)
+
+    def pad(a, lo, hi):     # zeros before / after along time
+        return jax.lax.pad(a, jnp.zeros((), f32), ((0, 0, 0), (lo, hi, 0), (0, 0, 0)))
+
+    # new_state = x̃[T:T+K-1]: its first max(K-1-T, 0) rows are state rows T.., the rest x rows.
+    lo = k_size - 1 - seqlen
+    dx = d_new[:, lo:] if lo >= 0 else pad(d_new, -lo, 0)
+    d_state = pad(d_new[:, :lo], seqlen, 0) if lo > 0 else jnp.zeros_like(state)
+    dkernel = []
+    for k in range(k_size):
+        j, n = k_size - 1 - k, min(k_size - 1 - k, seqlen)   # look-back; positions reading the state
+        dk = jnp.zeros((e,), f32)
+        if n > 0:       # t < n reads state[k + t]
+            d_state = d_state + pad(w[k] * dc_tap(k, 0, n), k, j - n)
+            dk = dk + jnp.sum(dc_tap(k, 0, n) * state[:, k:k + n], axis=(0, 1))
+        if j < seqlen:  # t ≥ j reads x[t - j]
+            dx = dx + pad(w[k] * dc_tap(k, j, seqlen), 0, j)
+            dk = dk + jnp.sum(dc_tap(k, j, seqlen) * xf[:, :seqlen - j], axis=(0, 1))
+        dkernel.append(dk)
+    dbias = None if bias is None else jnp.sum(dc, axis=(0, 1)).astype(bias.dtype)
+    return (dx.astype(x.dtype), d_state.astype(conv_state.dtype), jnp.stack(dkernel).astype(kernel.dtype),
+            dbias, None)
+
+
+_conv.defvjp(_conv_fwd, _conv_bwd)
 
 
 def causal_conv1d_step(x_t, conv_state, kernel, bias):
