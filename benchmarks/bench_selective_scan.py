@@ -74,6 +74,8 @@ SWEEP_SUB_CHUNK = [
     dataclasses.replace(_D, chunk=128),
     dataclasses.replace(_D, hide_channel_alignment=False),
     dataclasses.replace(_D, bwd_block_d=16),
+    dataclasses.replace(_D, bwd_reuse_decay=True),
+    dataclasses.replace(_D, bwd_reuse_decay=True, bwd_sub_chunk=4),
 ]
 SWEEP_SETS = {"default": SWEEP, "backward": SWEEP_BACKWARD, "sub-chunk": SWEEP_SUB_CHUNK}
 
@@ -309,7 +311,8 @@ def _short(cfg):
             + (f" bwd-bd{cfg.bwd_block_d}" if cfg.bwd_block_d else "")
             + (f" bwd-w{cfg.bwd_num_warps}" if cfg.bwd_num_warps else "")
             + (" prefetch-bc" if cfg.prefetch_bc else "")
-            + (" hide-align" if cfg.hide_channel_alignment else ""))
+            + (" hide-align" if cfg.hide_channel_alignment else "")
+            + (" reuse-decay" if cfg.bwd_reuse_decay else ""))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session.sh [stage ...]     stages: tests m3_tests m3_bench m3_profile adamw_tests adamw
 #                                                  e2e1 e2e3 e2e1_old e2e3_old remat1 noguard1 soak decode dp2
 #                                                  anchors_build side_ops side_train side_long e2e1_prof e2e3p e2e1_long
+#                                                  mixer_bench scan_sweep
 # anchors_* / side_*: the official kernels and PyTorch model (the anchors folder copied to .anchors, carried):
 # anchors_build starts their CUDA build in the background (~7 min), side_* wait for it.
 #                                                  (default: the list in `stages=` below)
@@ -54,6 +55,8 @@ for s in $stages; do case $s in
   side_train)  wait_anchors && run side_by_side_train 200 python3 .anchors/side_by_side.py /tmp/ab train ;;
   side_long)   wait_anchors && run side_by_side_train_long 150 python3 -c "import sys; sys.argv = ['x', '/tmp/ab', 'none']; sys.path.insert(0, '.anchors'); import side_by_side as s; s.train('Mamba1', b=1, l=65536)" ;;
   e2e1_prof)   run e2e_mamba1_profile 170 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --profile 3 ;;
+  mixer_bench) run mamba1_mixer_bench 200 python3 benchmarks/bench_mamba1_mixer.py ;;
+  scan_sweep)  run scan_sweep_sub_chunk 240 python3 benchmarks/bench_selective_scan.py --sweep --sweep-set sub-chunk --shapes b8t2048 --impls pallas --iters 10 ;;
   e2e3p)       run e2e_mamba3 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 ;;
   e2e1_long)   run e2e_mamba1_long 170 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 5 --warmup 2 --batch-size 1 --seq-len 65536 ;;
 esac; done

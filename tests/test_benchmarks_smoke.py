@@ -16,6 +16,7 @@ SCRIPTS = sorted(glob.glob(os.path.join(HERE, "..", "benchmarks", "bench_*.py"))
 EXPECTED = {
     "bench_decode.py": ("impl", {"jmamba", "jmamba-stream"}),
     "bench_fused_adamw.py": ("variant", {"optax.adamw", "fused xla"}),
+    "bench_mamba1_mixer.py": ("variant", {"fused-pallas", "unfused", "xla"}),
     "bench_mamba3_scan.py": ("impl", {"pallas", "xla", "reference"}),
     "bench_selective_scan.py": ("impl", {"pallas", "xla", "assoc", "reference"}),
     "bench_train_step.py": ("impl", {"xla"}),

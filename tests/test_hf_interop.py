@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jmamba import generate
+from jmamba.ops import dispatch
 from jmamba.interop.hf_mamba import hf_config_to_mamba1, load_hf_mamba, save_hf_mamba
 from jmamba.lm import MambaLM
 
@@ -21,12 +23,17 @@ GOLDENS = os.path.join(os.path.dirname(__file__), "goldens")
 
 
 @pytest.mark.parametrize("case", ["hf_mamba_tied", "hf_mamba_untied"])
-def test_logits_and_greedy_tokens_match_transformers(case):
+@pytest.mark.parametrize("mixer_core", [None, "pallas"], ids=["automatic", "fused-pallas"])
+def test_logits_and_greedy_tokens_match_transformers(case, mixer_core):
+    """Also through the fused mixer core's Pallas implementation (interpreted on CPU)."""
     path = os.path.join(GOLDENS, case)
     golden = np.load(os.path.join(path, "golden.npz"))
     lm = load_hf_mamba(path)
     assert lm.config.tie_embeddings == (case == "hf_mamba_tied")
-    logits, _ = nnx.jit(lambda m, i: m(i))(lm, jnp.asarray(golden["input_ids"]))
+    with contextlib.ExitStack() as stack:
+        if mixer_core:
+            stack.enter_context(dispatch.prefer("mamba1_mixer_core", mixer_core))
+        logits, _ = nnx.jit(lambda m, i: m(i))(lm, jnp.asarray(golden["input_ids"]))
     err = float(np.abs(np.asarray(logits) - golden["logits"]).max())
     assert err <= 1e-4, f"max |logit error| {err:.2e}"
     new = golden["greedy"].shape[1] - golden["prompt"].shape[1]

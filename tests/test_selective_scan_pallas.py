@@ -10,6 +10,7 @@ GPU (`-m gpu`, H200): the full matrix including the benchmark shape (B=8, T=2048
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -177,6 +178,21 @@ def test_under_jit_and_checkpoint_gradients_match_reference():
         assert_close(f"d{name}", a, b, 3e-5)
 
 
+@pytest.mark.parametrize("sub", [2, 4])
+def test_reusing_the_forward_walks_decays_is_bit_identical(sub):
+    """`bwd_reuse_decay` only avoids recomputing ā in the reverse walk: same values, bit for bit."""
+    args, reset = make_inputs((2, 21, 8, 5, 2), jnp.bfloat16, with_reset=True)
+    base = ScanBlockConfig(block_d=4, chunk=8, fwd_unroll=2, bwd_sub_chunk=sub)
+    present = tuple(k for k in NAMES if args[k] is not None)
+    arrays = tuple(args[k] for k in present)
+    d_out, d_last = cotangents(args)
+    off = _value_and_vjp(_pallas(base), True, present, arrays, reset, d_out, d_last)
+    on = _value_and_vjp(_pallas(dataclasses.replace(base, bwd_reuse_decay=True)), True, present, arrays, reset,
+                        d_out, d_last)
+    for a, b in zip(jax.tree.leaves(off), jax.tree.leaves(on)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 # ------------------------------------------------------------------------------- abstract H200 lowering
 def _lower_for_h200(shape, dtype, config, *, with_reset):
     """Traces forward+backward and lowers it for an abstract H200: runs the Pallas->Triton lowering."""
@@ -202,7 +218,8 @@ def _lower_for_h200(shape, dtype, config, *, with_reset):
 @pytest.mark.parametrize("shape,dtype,config,with_reset", [
     ((8, 2048, 1536, 16, 1), jnp.bfloat16, None, False),                 # the benchmark shape, default config
     ((2, 70, 12, 5, 2), jnp.float32, TINY, True),                           # padding, groups, resets
-], ids=["perf-shape-default", "odd-shape-reset"])
+    ((8, 2048, 1536, 16, 1), jnp.bfloat16, ScanBlockConfig(bwd_reuse_decay=True), False),
+], ids=["perf-shape-default", "odd-shape-reset", "perf-shape-reuse-decay"])
 def test_kernels_lower_to_triton_for_h200(shape, dtype, config, with_reset):
     text = _lower_for_h200(shape, dtype, config, with_reset=with_reset)
     # forward: summaries, combine, outputs; backward: adjoint summaries, adjoint combine, gradients

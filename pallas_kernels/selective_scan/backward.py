@@ -140,10 +140,12 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
                                  d_out=d_out, z=z, sz=sz, b=rd.prefetch_state_row("B", t),
                                  c=rd.prefetch_state_row("C", t)))
             # Forward over the sub-chunk, keeping every state (registers: sub × [n, block_d]).
-            states = [h]
+            states, decays = [h], []
             for r in rows:
                 b = rd.state_row("B", r["t"], r["b"])
-                states.append(decay(r["dl"], A, r["keep"]) * states[-1] + (r["dl"] * r["u"])[None, :] * b[:, None])
+                decays.append(decay(r["dl"], A, r["keep"]))
+                states.append(decays[-1] * states[-1] + (r["dl"] * r["u"])[None, :] * b[:, None])
+            reuse = cfg.bwd_reuse_decay
             # The true adjoint entering the sub-chunk from the right.
             psi = jnp.exp2(A * rd.load("sub_right_delta", k)[None, :])
             if problem.has_reset:
@@ -153,7 +155,7 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
             for i in reversed(range(sub)):
                 r = rows[i]
                 h_t, h_prev = states[i + 1], states[i]
-                a = decay(r["dl"], A, r["keep"])
+                a = decays[i] if reuse else decay(r["dl"], A, r["keep"])
                 b, cr = rd.state_row("B", r["t"], r["b"]), rd.state_row("C", r["t"], r["c"])
                 dh = r["gy"][None, :] * cr[:, None] + c
                 hb = jnp.sum(dh * b[:, None], axis=0)                      # Σ_n dh·B   [block_d]

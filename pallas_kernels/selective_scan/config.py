@@ -41,6 +41,9 @@ class ScanBlockConfig:
       hide_channel_alignment: a register-layout hint (see channels.py): one channel per lane instead of
         4-channel vectors. Same values either way; no speed difference was measurable on the H200
         (within the ~10% run-to-run spread), the default is on because the tables were measured so.
+      bwd_reuse_decay: the gradients kernel keeps the decays ā of its forward walk over a sub-chunk
+        for the reverse walk (bwd_sub_chunk more [n, block_d] tiles in registers, one exp2 per
+        element instead of two). Bit-identical results either way; off until timed on the GPU.
     """
 
     # Defaults: the best fwd+bwd of the 2026-11-30 H200 sweeps, bwd_sub_chunk from the 2026-12-01
@@ -55,6 +58,7 @@ class ScanBlockConfig:
     bwd_num_warps: int | None = None
     prefetch_bc: bool = False
     hide_channel_alignment: bool = True
+    bwd_reuse_decay: bool = False
 
     def validate(self) -> "ScanBlockConfig":
         for name in ("block_d", "fwd_unroll", "bwd_sub_chunk", "num_warps", "bwd_block_d", "bwd_num_warps"):
@@ -69,7 +73,7 @@ class ScanBlockConfig:
             if self.chunk % getattr(self, name):
                 raise ValueError(f"ScanBlockConfig.chunk ({self.chunk}) must be a multiple of {name} "
                                  f"({getattr(self, name)})")
-        for name in ("prefetch_bc", "hide_channel_alignment"):
+        for name in ("prefetch_bc", "hide_channel_alignment", "bwd_reuse_decay"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ScanBlockConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
