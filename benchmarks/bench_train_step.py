@@ -53,8 +53,14 @@ def parse_args(argv=None):
                    help="data-parallel over this many devices (global batch = batch-size x devices)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, trace N more steps and print per-kernel and per-category device times")
+    p.add_argument("--xla-dump", default=None, metavar="DIR",
+                   help="dump XLA's optimized HLO here (maps the profile's fusion names to their ops)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes for a CPU smoke run")
     args = p.parse_args(argv)
+    if args.xla_dump:   # read when the backend compiles the first program
+        import os
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={args.xla_dump}"
+                                   " --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$").strip()
     if args.tiny:
         args.d_model, args.n_layers, args.vocab, args.batch_size, args.seq_len = 64, 2, 256, 2, 64
         args.steps, args.warmup = 3, 1
