@@ -65,7 +65,7 @@ def traced_kernel_times(run):
 
 
 CATEGORIES = (   # (category, substrings of XLA / Pallas kernel names), first match wins
-    ("selective-scan kernels", ("selective_scan", "mamba1_")),
+    ("selective-scan kernels", ("selective_scan",)),
     ("Mamba-3 kernels", ("mamba3",)),
     ("fused AdamW", ("adamw",)),
     ("matmuls", ("gemm", "cublas", "cutlass", "nvjet", "xmma", "wgmma", "dot")),

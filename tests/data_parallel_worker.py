@@ -122,12 +122,14 @@ def case_checkpoint():
     return {"equal": same, "same_sharding": same_sharding}
 
 
-def case_pallas():
-    """The Pallas selective scan (interpreted on CPU) inside the sharded step: one kernel per device."""
+def case_pallas(fsdp=False):
+    """The Pallas kernels (interpreted on CPU; the fused mixer core follows the selective_scan
+    preference) inside the sharded step: one kernel per device; with FSDP the op's weights are
+    gathered at its shard_map entry."""
     with dispatch.prefer("selective_scan", "pallas"):
         mesh = make_data_mesh()
         single, _ = run_fused("mamba1", None, False, steps=1, opt=CAPTURE)
-        multi, _ = run_fused("mamba1", mesh, False, steps=1, opt=CAPTURE)
+        multi, _ = run_fused("mamba1", mesh, fsdp, steps=1, opt=CAPTURE)
     return {"grads": max_rel(multi.opt_state, single.opt_state)}
 
 
@@ -138,6 +140,7 @@ CASES = {
     "f16_scaler": case_f16_scaler,
     "split": case_split,
     "checkpoint": case_checkpoint,
+    "pallas_fsdp": lambda: case_pallas(fsdp=True),
     "pallas": case_pallas,
 }
 

@@ -140,6 +140,60 @@ def test_values_and_every_cotangent_match_reference(impl, shape, dtype, options,
     assert_close("d initial_state.ssm", got_s.ssm, want_s.ssm, tol)
 
 
+def test_pallas_cotangents_without_an_initial_state_match_reference():
+    args, _, reset = make_inputs(2, 27, 16, 4, 3, 4, jnp.float32, with_state=False, reset="rows")
+    present = tuple(k for k in ARG_NAMES if args[k] is not None)
+
+    def grads(impl):
+        def loss(vals):
+            y = mamba1_mixer_core(*(dict(args, **dict(zip(present, vals)))[k] for k in ARG_NAMES), reset=reset,
+                                  implementation=impl)
+            return jnp.sum(y * jnp.cos(y))
+        return jax.jit(jax.grad(loss))(tuple(args[k] for k in present))
+
+    for name, got, want in zip(present, grads("pallas"), grads("reference")):
+        assert_close(f"d{name}", got, want, 3e-5)
+
+
+@pytest.mark.parametrize("reset", [None, "rows", "positions"])
+def test_an_empty_window_returns_the_state_unchanged(reset):
+    args, state, _ = make_inputs(2, 0, 8, 2, 1, 4, jnp.float32)
+    mask = {None: None, "rows": jnp.array([True, False]), "positions": jnp.zeros((2, 0), bool)}[reset]
+    y, st = run("xla", args, state, mask)
+    assert y.shape == (2, 0, 8)
+    np.testing.assert_array_equal(np.asarray(st.conv), np.asarray(state.conv))
+    np.testing.assert_array_equal(np.asarray(st.ssm), np.asarray(state.ssm))
+
+
+@pytest.mark.parametrize("call,match,exc", [
+    (lambda x, s, w, b: ops.causal_conv1d(x.astype(jnp.int32), s, w, b), "x must be a floating", TypeError),
+    (lambda x, s, w, b: ops.causal_conv1d(x, s[:, :2], w, b), "conv_state must", ValueError),
+    (lambda x, s, w, b: ops.causal_conv1d(x, s, w[:, :5], b), "x must", ValueError),
+    (lambda x, s, w, b: ops.causal_conv1d(x, s, w, b[:3]), "bias must", ValueError),
+    (lambda x, s, w, b: ops.causal_conv1d(x, s, w, b, reset=jnp.zeros((2, 7))), "reset must be a bool", TypeError),
+    (lambda x, s, w, b: ops.causal_conv1d(x, s, w, b, reset=jnp.zeros((3,), bool)), "reset must have shape",
+     ValueError),
+    (lambda x, s, w, b: ops.causal_conv1d_step(x[:, 0], s[:, :1], w, b), "conv_state must", ValueError),
+    (lambda x, s, w, b: ops.causal_conv1d_step(x, s, w, b), "x_t must", ValueError),
+])
+def test_the_public_conv_checks_its_arguments(call, match, exc):
+    x, s = jnp.zeros((2, 7, 6)), jnp.zeros((2, 3, 6))
+    w, b = jnp.zeros((4, 6)), jnp.zeros((6,))
+    with pytest.raises(exc, match=match):
+        call(x, s, w, b)
+
+
+def test_the_public_conv_takes_a_row_reset_as_a_reset_at_t0():
+    rng = np.random.default_rng(0)
+    x, s = jnp.asarray(rng.normal(size=(2, 7, 6)), jnp.float32), jnp.asarray(rng.normal(size=(2, 3, 6)), jnp.float32)
+    w, b = jnp.asarray(rng.normal(size=(4, 6)), jnp.float32), jnp.zeros((6,))
+    rows = jnp.array([True, False])
+    got = ops.causal_conv1d(x, s, w, b, reset=rows)
+    want = ops.causal_conv1d(x, s, w, b, reset=jnp.zeros((2, 7), bool).at[:, 0].set(rows))
+    for a, c in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+
+
 def test_forward_is_the_unfused_composition_bit_for_bit():
     """The op's forward is exactly scan_operands + selective_scan (what the mixer used to call)."""
     args, state, reset = make_inputs(2, 40, 16, 4, 3, 4, jnp.bfloat16, reset="positions")

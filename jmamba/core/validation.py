@@ -58,6 +58,8 @@ def normalize_reset(reset, bsz, seqlen, name="reset"):
     check_bool_mask(name, reset, [(bsz,), (bsz, seqlen)], "[batch] or [batch, seqlen]")
     reset = jnp.asarray(reset, bool)
     if reset.ndim == 1:
+        if seqlen == 0:     # an empty window: nothing to reset
+            return jnp.zeros((bsz, 0), bool)
         return jnp.zeros((bsz, seqlen), bool).at[:, 0].set(reset)
     return reset
 

@@ -26,7 +26,8 @@ def rms_norm(x, weight, eps, out_dtype=None):
     r = rsqrt(mean(x²) + eps) [..., 1] in the accumulation dtype (float32; float64 for float64 x),
     instead of autodiff's float32 x·r [..., D] and the rounded output. It recomputes x̂ = x·r and,
     in that dtype, with g = dy·w: dx = r·(g − x̂·mean(g·x̂)) (cast to x.dtype) and
-    dw = Σ dy·x̂ over the broadcast (leading) axes (cast to weight.dtype).
+    dw = Σ dy·x̂ over the broadcast (leading) axes (cast to weight.dtype). Reverse mode only:
+    `jax.jvp` / `jacfwd` through it raise (a custom_vjp has no forward rule).
     """
     return _rms_norm(x, weight, float(eps), None if out_dtype is None else jnp.dtype(out_dtype))
 

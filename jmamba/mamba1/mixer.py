@@ -89,7 +89,7 @@ class Mamba1Mixer(nnx.Module):
         Args:
           x: [Bt, T, D] normalized input, in the compute dtype.
           state: incoming state (zeros when None).
-          reset: optional [Bt, T] bool; True zeroes the state entering position t.
+          reset: optional [Bt, T] (or [Bt]: at t = 0) bool; True zeroes the state entering position t.
 
         Returns:
           (out [Bt, T, D] in x.dtype, new state).
@@ -99,10 +99,12 @@ class Mamba1Mixer(nnx.Module):
             state = self.init_state(x.shape[0])
         # in_proj as two matmuls on the kernel's halves: x and z come out as separate arrays (the op
         # saves both), so neither the forward's split nor the backward's [dx | dz] join is a copy.
+        # (in_proj and x_proj are bias-free Dense layers, as in the official model.)
         w_in = self.in_proj.kernel[...].astype(x.dtype)
         xs, z = jnp.dot(x, w_in[:, :E]), jnp.dot(x, w_in[:, E:])
         y, core_state = ops.mamba1_mixer_core(
-            xs, z, self.conv1d.kernel[...], self.conv1d._bias(), self.x_proj.kernel[...],
+            xs, z, self.conv1d.kernel[...], None if self.conv1d.bias is None else self.conv1d.bias[...],
+            self.x_proj.kernel[...],
             self.dt_proj.kernel[...], self.dt_proj.bias[...], self._A(), self.D[...],
             initial_state=ops.Mamba1CoreState(conv=state.conv, ssm=state.ssm), return_final_state=True,
             reset=reset)

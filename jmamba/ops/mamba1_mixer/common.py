@@ -18,13 +18,14 @@ import jax
 import jax.numpy as jnp
 
 from jmamba.core.dtypes import accum_dtype
+from jmamba.core.validation import check_array, normalize_reset, shape_of
 
 
 class Mamba1CoreState(NamedTuple):
     """Recurrent state of one Mamba-1 mixer core.
 
     Attributes:
-      conv: [Bt, K-1, E] float32, the last K-1 pre-conv inputs x, oldest first.
+      conv: [Bt, K-1, E] float32 (float64 for float64 inputs), the last K-1 pre-conv inputs x, oldest first.
       ssm: [Bt, E, N] float32, the scan state h.
     """
 
@@ -53,8 +54,29 @@ def causal_conv1d(x, conv_state, kernel, bias, reset=None):
     materializes nothing [Bt, T, E]-sized besides the cotangents: autodiff of the forward would keep
     each float32 tap x̃[t + k] alive for the weight gradient, so XLA writes every tap to memory.
     Cotangents come back in the inputs' dtypes (accumulated in float32, float64 for float64 inputs).
+    Reverse mode only: `jax.jvp` / `jacfwd` through it raise (a custom_vjp has no forward rule).
+    A `[Bt]` reset acts at t = 0, as everywhere in jmamba.ops.
     """
-    return _conv(x, conv_state, kernel, bias, reset)
+    bsz, seqlen = check_conv_arguments(x, conv_state, kernel, bias, time_axis=True)
+    return _conv(x, conv_state, kernel, bias, normalize_reset(reset, bsz, seqlen))
+
+
+def check_conv_arguments(x, conv_state, kernel, bias, *, time_axis):
+    """Validates the conv's arrays (names as in `causal_conv1d`); returns (Bt, T) (T = 1 for a step)."""
+    check_array("kernel", kernel, (None, None), "[d_conv, channels]")
+    k, e = shape_of(kernel)
+    if k < 1:
+        raise ValueError(f"kernel must have at least one tap, got shape {shape_of(kernel)}")
+    if time_axis:
+        check_array("x", x, (None, None, e), "[batch, seqlen, channels]")
+        bsz, seqlen = shape_of(x)[:2]
+    else:
+        check_array("x_t", x, (None, e), "[batch, channels]")
+        bsz, seqlen = shape_of(x)[0], 1
+    check_array("conv_state", conv_state, (bsz, k - 1, e), "[batch, d_conv - 1, channels]")
+    if bias is not None:
+        check_array("bias", bias, (e,), "[channels]")
+    return bsz, seqlen
 
 
 @jax.custom_vjp
@@ -81,7 +103,7 @@ def _conv(x, conv_state, kernel, bias, reset):
         new_state = xf[:, seqlen - (k_size - 1):]
     else:
         new_state = jnp.concatenate([state[:, seqlen:], xf], axis=1)
-    if reset is None:
+    if reset is None or seqlen == 0:     # (an empty window has nothing to reset)
         c = sum(w[k] * tap_input(k) for k in range(k_size))
     else:
         # Segment id of every position of x̃: the carried context is segment 0, each reset starts a new one.
@@ -117,6 +139,8 @@ def _conv_bwd(res, cts):
     k_size, (bt, seqlen, e) = kernel.shape[0], x.shape
     state, xf, w = conv_state.astype(f32), x.astype(f32), kernel.astype(f32)
     dc, d_new = dc.astype(f32), d_new.astype(f32)
+    if seqlen == 0:
+        reset = None        # as in the forward: an empty window resets nothing
     if reset is not None:   # the forward's segment ids and masks
         seg_x = jnp.cumsum(reset.astype(jnp.int32), axis=1)                   # [Bt, T]
         seg = jnp.concatenate([jnp.zeros((bt, k_size - 1), jnp.int32), seg_x], axis=1)
@@ -155,6 +179,7 @@ _conv.defvjp(_conv_fwd, _conv_bwd)
 
 def causal_conv1d_step(x_t, conv_state, kernel, bias):
     """One decode step. x_t: [Bt, E]; conv_state: [Bt, K-1, E] -> (c_t [Bt, E] f32, new_state)."""
+    check_conv_arguments(x_t, conv_state, kernel, bias, time_axis=False)
     f32 = accum_dtype(x_t.dtype, kernel.dtype)
     win = jnp.concatenate([conv_state.astype(f32), x_t.astype(f32)[:, None]], axis=1)  # [Bt, K, E]
     c = jnp.sum(win * kernel.astype(f32), axis=1)
@@ -174,7 +199,7 @@ def scan_operands(x, conv_state, conv_kernel, conv_bias, x_proj_kernel, dt_proj_
     """
     rank = dt_proj_kernel.shape[0]
     n = (x_proj_kernel.shape[1] - rank) // 2
-    c, new_conv = causal_conv1d(x, conv_state, conv_kernel, conv_bias, reset)
+    c, new_conv = _conv(x, conv_state, conv_kernel, conv_bias, reset)   # arguments checked by the op
     u = jax.nn.silu(c).astype(x.dtype)
     x_dbl = jnp.dot(u, x_proj_kernel.astype(u.dtype))
     dt_in, Bm, Cm = x_dbl[..., :rank], x_dbl[..., rank:rank + n], x_dbl[..., rank + n:]

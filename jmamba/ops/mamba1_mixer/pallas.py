@@ -10,8 +10,10 @@ what keeps a layer's activation memory near the official fused path's (x, z and 
 Backward: the recomputation, the scan's backward kernels (`selective_scan_backward`) from the saved
 chunk states, then the transpose of the preprocessing (XLA, fixed-order reductions: deterministic).
 
-Numerics: identical to the "xla"/"reference" composition's formulas; the recomputed u and delta are
-bit-identical to the forward's (same program), so the scan's backward sees exactly what its forward saw.
+Numerics: identical to the "xla"/"reference" composition's formulas. The backward recomputes u and
+delta with the same operations as the forward (bit-identical on CPU, where it is tested; on the GPU
+XLA compiles the recomputation inside the backward's program, which is expected but not tested to
+round identically), and the scan's backward reads them beside the forward's saved chunk states.
 """
 
 from __future__ import annotations
