@@ -29,7 +29,7 @@ from jmamba import ops  # noqa: E402
 from jmamba.ops.mamba1_mixer.common import scan_operands  # noqa: E402
 
 SHAPE = dict(bsz=8, seqlen=2048, e=1536, n=16, rank=48, k=4)
-TINY = dict(bsz=2, seqlen=32, e=32, n=4, rank=4, k=4)
+TINY = dict(bsz=1, seqlen=16, e=16, n=4, rank=2, k=4)
 NAMES = ("x", "z", "conv_kernel", "conv_bias", "x_proj_kernel", "dt_proj_kernel", "dt_bias", "A", "D")
 
 
@@ -93,7 +93,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=20)
     a = p.parse_args(argv)
     shape = TINY if a.tiny else SHAPE
-    iters = 2 if a.tiny else a.iters
+    iters = 1 if a.tiny else a.iters
     args, state = make_args(**shape)
     d_y = jnp.asarray(np.random.default_rng(7).normal(size=args["x"].shape), args["x"].dtype)
     print(f"# mamba1_mixer_core {shape} bf16 | jax {jax.__version__} on {jax.devices()[0].device_kind}\n")
@@ -104,8 +104,9 @@ def main(argv=None):
         f = variant(name)
         fwd = jax.jit(f)
         fb = jax.jit(forward_and_backward(f))
-        t_f, _ = timed(fwd, (args, state), iters)
-        t_fb, _ = timed(fb, (args, state, d_y), iters)
+        warmup = 1 if a.tiny else 2
+        t_f, _ = timed(fwd, (args, state), iters, warmup)
+        t_fb, _ = timed(fb, (args, state, d_y), iters, warmup)
         saved = saved_mb(f, args, state)
         print(f"| {name} | {fmt_time(t_f)} | {fmt_time(t_fb)} | {saved:.1f} |", flush=True)
         rows.append({"variant": name, "saved_mb": saved, "seconds": {"fwd": t_f[0], "fwd+bwd": t_fb[0]}})
