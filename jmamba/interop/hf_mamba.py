@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
+from jmamba.core.files import read_json
 from jmamba.lm import MambaLM
 from jmamba.mamba1.config import Mamba1Config
 
@@ -142,11 +143,7 @@ def load_hf_mamba(path, *, rngs: nnx.Rngs | None = None) -> MambaLM:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path}: no config.json")
-    with open(cfg_path) as f:
-        try:
-            hf = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_path}: not valid JSON ({e})") from e
+    hf = read_json(cfg_path)
     cfg, vocab, tie = hf_config_to_mamba1(hf)
     tensors = _read_tensors(path)
     if "backbone.embedding.weight" in tensors and "backbone.embeddings.weight" not in tensors:

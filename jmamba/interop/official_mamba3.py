@@ -39,6 +39,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jmamba.core.files import read_json
 from jmamba.mamba3.config import Mamba3Config
 from jmamba.mamba3.mixer import Mamba3Mixer
 
@@ -146,11 +147,7 @@ def read_official_dir(path, what: str, *, prefix: str = ""):
     for p in (cfg_path, w_path):
         if not os.path.isfile(p):
             raise FileNotFoundError(f"{what} is missing {p}")
-    with open(cfg_path) as f:
-        try:
-            conf = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+    conf = read_json(cfg_path)
     with safe_open(w_path, framework="numpy") as f:
         tensors = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
     return conf, tensors

@@ -25,6 +25,7 @@ from flax import nnx
 
 from jmamba import lm as lm_module
 from jmamba.configs import config_from_dict, config_to_dict
+from jmamba.core.files import read_json
 from jmamba.io.checkpoint import CheckpointError, _open_checkpoint, checkpoint_info
 from jmamba.io.safetensors_io import save_safetensors
 from jmamba.io.weights import load_weights
@@ -52,11 +53,7 @@ def save_pretrained(directory, lm: MambaLM) -> str:
 
 def _read_config(directory):
     path = os.path.join(directory, CONFIG_FILE)
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    meta = read_json(path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or "config" not in meta:
         raise ValueError(f"{path} is not a jmamba pretrained config (for transformers directories use "
                          "jmamba.load_hf_mamba)")
