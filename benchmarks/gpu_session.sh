@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_session.sh [stage ...]     stages: tests m3_tests m3_bench m3_profile adamw_tests adamw
 #                                                  e2e1 e2e3 e2e1_old e2e3_old remat1 noguard1 soak decode dp2
 #                                                  anchors_build side_ops side_train side_long e2e1_prof e2e3p e2e1_long
-#                                                  mixer_bench scan_sweep
+#                                                  mixer_bench scan_sweep e2e1_dump e2e3_dump (profile + optimized HLO)
+#                                                  conv_bench tests_m1
 # anchors_* / side_*: the official kernels and PyTorch model (the anchors folder copied to .anchors, carried):
 # anchors_build starts their CUDA build in the background (~7 min), side_* wait for it.
 #                                                  (default: the list in `stages=` below)
@@ -29,6 +30,10 @@ run() {  # name, seconds, command...
   timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "--- $name rc=$rc in $(( $(date +%s) - t0 ))s"; tail -n 14 "$OUT/$name.log"
   return $rc
+}
+pack_hlo() {  # dump dir, out file: the largest optimized module (the train step), gzipped
+  local f; f=$(ls -S "$1"/*after_optimizations.txt 2>/dev/null | head -1)
+  [ -n "$f" ] && gzip -c "$f" > "$2" && echo "packed $f -> $2"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1; cat "$OUT/gpu.txt"
 OPT=fused
@@ -58,6 +63,12 @@ for s in $stages; do case $s in
   mixer_bench) run mamba1_mixer_bench 200 python3 benchmarks/bench_mamba1_mixer.py ;;
   scan_sweep)  run scan_sweep_sub_chunk 240 python3 benchmarks/bench_selective_scan.py --sweep --sweep-set sub-chunk --shapes b8t2048 --impls pallas --iters 10 ;;
   e2e3p)       run e2e_mamba3 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 ;;
+  e2e1_dump)   run e2e_mamba1_profile 200 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 6 --warmup 2 --profile 3 --xla-dump /tmp/hlo1 ;
+               pack_hlo /tmp/hlo1 "$OUT/hlo_mamba1.txt.gz" ;;
+  e2e3_dump)   run e2e_mamba3_profile 200 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 6 --warmup 2 --profile 3 --xla-dump /tmp/hlo3 ;
+               pack_hlo /tmp/hlo3 "$OUT/hlo_mamba3.txt.gz" ;;
+  conv_bench)  run causal_conv_bench 150 python3 benchmarks/bench_causal_conv.py ;;
+  tests_m1)    run gpu_tests_mamba1 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_causal_conv_pallas.py tests/test_mamba1_mixer_core.py tests/test_selective_scan_pallas.py ;;
   e2e1_long)   run e2e_mamba1_long 170 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 5 --warmup 2 --batch-size 1 --seq-len 65536 ;;
 esac; done
 echo "=== done ==="

@@ -110,26 +110,30 @@ class MambaLM(nnx.Module):
         ids = jnp.where(ids < 0, V, ids)
         return jnp.take(self.embedding[...], ids, axis=0, mode="fill", fill_value=jnp.nan)
 
-    def _logits(self, y, cdt):
+    def _logits(self, y, cdt, widen=True):
         if self.lm_head is None:
             w = self.embedding[...].astype(cdt)
             logits = jnp.einsum("...d,vd->...v", y.astype(cdt), w)
         else:
             logits = self.lm_head(y.astype(cdt))
-        return logits.astype(accum_dtype(logits.dtype))
+        return logits.astype(accum_dtype(logits.dtype)) if widen else logits
 
     def __call__(self, input_ids, state=None, *, reset=None, precision=None, truncate_bptt=True, remat=None,
-                 **deprecated):
+                 widen_logits=True, **deprecated):
         """input_ids [B, T] int -> (logits [B, T, V] float32, new_state).
 
         `precision` ("f32", "bf16", "f16" or a `jmamba.Precision`; the old `compute_dtype=` still
         works) is the compute precision of the matmuls; see `ResidualBackbone.__call__`.
+        `widen_logits=False` returns the logits in the compute dtype the head's matmul rounded them
+        to (float32 accumulation inside the matmul); the default widens that value to float32, which
+        is exact. The train step uses False so that the [B, T, V] tensor it keeps between the forward
+        and the loss is half the size; it widens after (same numbers).
         """
         self._check_ids(input_ids, 2)
         p = as_precision(take_compute_dtype(deprecated, precision, "MambaLM.__call__"))
         h = self._embed(input_ids)
         y, state = self.backbone(h, state, reset=reset, precision=p, truncate_bptt=truncate_bptt, remat=remat)
-        return self._logits(y, p.compute_dtype), state
+        return self._logits(y, p.compute_dtype, widen=widen_logits), state
 
     def step(self, token_ids, state, *, precision=None, **deprecated):
         """token_ids [B] int -> (logits [B, V] float32, new_state)."""

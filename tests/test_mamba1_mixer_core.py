@@ -150,6 +150,35 @@ def test_pallas_cotangents_without_an_initial_state_match_reference():
         assert_close(f"d{name}", got, want, 3e-5)
 
 
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("shape,dtype,options", [
+    ((2, 37, 32, 5, 4, 4), jnp.float32, dict(reset="positions")),
+    ((3, 45, 24, 3, 2, 3), jnp.bfloat16, dict(reset="rows", with_D=False, with_conv_bias=False)),
+    ((2, 2, 16, 4, 3, 4), jnp.float32, dict()),               # T < K-1: the Pallas op's XLA-conv path
+], ids=["f32-resets", "bf16-rows-K3", "short-window"])
+def test_packed_xz_gives_the_values_and_cotangents_of_its_two_halves(impl, shape, dtype, options):
+    """xz_packed=True with x = [x | z] is the same call: outputs, both states and every cotangent
+    (dxz = [dx | dz]) equal to the unpacked call's, bit for bit."""
+    bsz, seqlen, e, n, rank, k = shape
+    args, state, reset = make_inputs(bsz, seqlen, e, n, rank, k, dtype, **options)
+    present = tuple(n_ for n_ in ARG_NAMES if args[n_] is not None and n_ not in ("x", "z"))
+
+    def loss(xz, vals, st, packed):
+        full = dict(args, **dict(zip(present, vals)))
+        full.update(x=xz, z=None) if packed else full.update(x=xz[..., :e], z=xz[..., e:])
+        y, s2 = mamba1_mixer_core(*(full[n_] for n_ in ARG_NAMES), initial_state=st, return_final_state=True,
+                                  reset=reset, implementation=impl, xz_packed=packed)
+        yf = y.astype(jnp.float32)
+        return jnp.sum(yf * jnp.cos(yf)) + 0.7 * jnp.sum(jnp.sin(s2.conv)) + jnp.sum(jnp.tanh(s2.ssm))
+
+    xz = jnp.concatenate([args["x"], args["z"]], axis=-1)
+    vals = tuple(args[n_] for n_ in present)
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)(xz, vals, state, True)
+    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)(xz, vals, state, False)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 @pytest.mark.parametrize("reset", [None, "rows", "positions"])
 def test_an_empty_window_returns_the_state_unchanged(reset):
     args, state, _ = make_inputs(2, 0, 8, 2, 1, 4, jnp.float32)
@@ -292,25 +321,33 @@ def test_a_preference_for_selective_scan_steers_the_core_op(monkeypatch):
     (dict(reset=jnp.zeros((2, 8), jnp.float32)), "reset", TypeError),
     (dict(reset=jnp.zeros((3,), bool)), "reset", ValueError),
     (dict(implementation="fast"), "implementation must be", ValueError),
+    (dict(xz_packed=1), "xz_packed must be a bool", TypeError),
+    (dict(xz_packed=True, x=jnp.zeros((2, 8, 32))), "z must be None with xz_packed", ValueError),
+    (dict(xz_packed=True, x=jnp.zeros((2, 8, 33)), z=None), "even number of channels", ValueError),
+    (dict(xz_packed=True, x=jnp.zeros((2, 8, 30)), z=None), "conv_kernel must", ValueError),
 ])
 def test_bad_input_raises_naming_the_argument(change, match, exc):
     args, _, _ = make_inputs(2, 8, 16, 4, 3, 4, jnp.float32, with_state=False)
-    kw = {k: change.pop(k) for k in ("initial_state", "reset", "implementation") if k in change}
+    kw = {k: change.pop(k) for k in ("initial_state", "reset", "implementation", "xz_packed") if k in change}
     args.update(change)
     with pytest.raises(exc, match=match):
         mamba1_mixer_core(*(args[k] for k in ARG_NAMES), **kw)
 
 
 # ------------------------------------------------------------------------ abstract H200 lowering (CPU)
-def test_fused_op_lowers_to_triton_for_h200():
+@pytest.mark.parametrize("packed", [False, True], ids=["x-z", "xz-packed"])
+def test_fused_op_lowers_to_triton_for_h200(packed):
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
     args, state, reset = make_inputs(2, 70, 48, 16, 3, 4, jnp.bfloat16, reset="positions")
+    if packed:
+        args = dict(args, x=jnp.concatenate([args["x"], args["z"]], axis=-1), z=None)
     present = tuple(k for k in ARG_NAMES if args[k] is not None)
 
     def loss(vals, st):
         y, s2 = mamba1_mixer_core(*(dict(args, **dict(zip(present, vals)))[k] for k in ARG_NAMES),
-                                  initial_state=st, return_final_state=True, reset=reset, implementation="pallas")
+                                  initial_state=st, return_final_state=True, reset=reset, implementation="pallas",
+                                  xz_packed=packed)
         return jnp.sum(y.astype(jnp.float32)) + jnp.sum(s2.ssm) + jnp.sum(s2.conv)
 
     from jmamba.ops.mamba1_mixer import pallas as glue
@@ -327,8 +364,10 @@ def test_fused_op_lowers_to_triton_for_h200():
                 lowering_platforms=("cuda",)).as_text()
     finally:
         monkey.undo()
-    # the scan's forward (summaries, combine, outputs) and backward (adjoints, combine, gradients)
-    assert text.count("__gpu$xla.gpu.triton") == 6
+    # the scan's forward (summaries, combine, outputs) and backward (adjoints, combine, gradients), the
+    # conv's forward (one jitted function: the backward's recomputation calls the same) and backward
+    assert text.count("__gpu$xla.gpu.triton") == 8
+    assert "causal_conv_silu_forward" in text and "causal_conv_silu_backward" in text
 
 
 # --------------------------------------------------------------------------------------------- H200

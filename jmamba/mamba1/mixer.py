@@ -94,20 +94,19 @@ class Mamba1Mixer(nnx.Module):
         Returns:
           (out [Bt, T, D] in x.dtype, new state).
         """
-        E = self.config.d_inner
         if state is None:
             state = self.init_state(x.shape[0])
-        # in_proj as two matmuls on the kernel's halves: x and z come out as separate arrays (the op
-        # saves both), so neither the forward's split nor the backward's [dx | dz] join is a copy.
-        # (in_proj and x_proj are bias-free Dense layers, as in the official model.)
-        w_in = self.in_proj.kernel[...].astype(x.dtype)
-        xs, z = jnp.dot(x, w_in[:, :E]), jnp.dot(x, w_in[:, E:])
+        # in_proj is one matmul; the op takes its packed [Bt, T, 2E] output (x | z) as is, so neither
+        # the forward's split nor the backward's [dx | dz] join is a copy (the Pallas op reads and
+        # writes the halves in place). (in_proj and x_proj are bias-free Dense layers, as in the
+        # official model.)
+        xz = jnp.dot(x, self.in_proj.kernel[...].astype(x.dtype))
         y, core_state = ops.mamba1_mixer_core(
-            xs, z, self.conv1d.kernel[...], None if self.conv1d.bias is None else self.conv1d.bias[...],
+            xz, None, self.conv1d.kernel[...], None if self.conv1d.bias is None else self.conv1d.bias[...],
             self.x_proj.kernel[...],
             self.dt_proj.kernel[...], self.dt_proj.bias[...], self._A(), self.D[...],
             initial_state=ops.Mamba1CoreState(conv=state.conv, ssm=state.ssm), return_final_state=True,
-            reset=reset)
+            reset=reset, xz_packed=True)
         return self.out_proj(y), Mamba1LayerState(conv=core_state.conv, ssm=core_state.ssm)
 
     def _A(self):

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmamba.core.precision import as_precision
+from jmamba.lm import MambaLM
 from jmamba.training import accumulation
 from jmamba.training.clipping import clip_coefficient, global_norm
 from jmamba.training.guard import all_finite, restart_nonfinite_rows
@@ -41,18 +42,27 @@ f32 = jnp.float32
 
 
 def forward_with_vjp(graphdef, params, recurrent_state, batch, *, precision, truncate_bptt, guard=True,
-                     remat=None):
+                     remat=None, narrow_outputs=False):
     """Runs the model on batch["inputs"] from `recurrent_state`.
 
+    `narrow_outputs=True` returns the outputs in the dtype the model computed them in (a `MambaLM`'s
+    logits before their exact widening to float32, see `MambaLM.__call__(widen_logits=)`); the
+    caller widens them with `.astype(float32)` (same values) and hands `vjp_fn` a cotangent of the
+    outputs' dtype. The fused train step does this so that what it keeps of a [B, T, V] logits
+    tensor between its forward and its loss is in the compute dtype.
+
     Returns:
-      (outputs float32, vjp_fn (a pytree holding the residuals), (new recurrent state, number of its
-      rows restarted from zeros because they were non-finite; always 0 without the guard)).
+      (outputs float32 (or as computed with `narrow_outputs`), vjp_fn (a pytree holding the
+      residuals), (new recurrent state, number of its rows restarted from zeros because they were
+      non-finite; always 0 without the guard)).
     """
     precision = as_precision(precision)
 
     def run(p):
         model = nnx.merge(graphdef, p)
         extra = {} if remat is None else {"remat": remat}
+        if narrow_outputs and isinstance(model, MambaLM):
+            extra["widen_logits"] = False
         out, new_state = model(batch["inputs"], recurrent_state, reset=batch.get("reset"),
                                precision=precision, truncate_bptt=truncate_bptt, **extra)
         new_state = jax.lax.stop_gradient(new_state)
@@ -60,21 +70,24 @@ def forward_with_vjp(graphdef, params, recurrent_state, batch, *, precision, tru
             new_state, n_reset = restart_nonfinite_rows(new_state)
         else:
             n_reset = jnp.zeros((), jnp.int32)
-        return out.astype(f32), (new_state, n_reset)
+        return (out if narrow_outputs else out.astype(f32)), (new_state, n_reset)
 
     outputs, vjp_fn, aux = jax.vjp(run, params, has_aux=True)
     return outputs, vjp_fn, aux
 
 
 def apply_gradients(state: TrainState, vjp_fn, d_out, new_recurrent_state, optimizer, *,
-                    clip_max_norm, accumulate_only, guard=True, loss=None):
+                    clip_max_norm, accumulate_only, guard=True, loss=None, out_dtype=f32):
     """Back-propagates d_out through vjp_fn and updates the state. Returns (new_state, metrics).
+
+    `out_dtype`: the dtype of the outputs vjp_fn was traced for (float32 unless the forward ran with
+    `narrow_outputs`); the cotangent is scaled in its own precision, then cast to it.
 
     `loss` (a float32 scalar, or None in the d_out mode) takes part in the guard's finite check.
     """
     metrics = {}
     ls = state.loss_scale
-    (grads,) = vjp_fn(scale_cotangent(d_out, ls).astype(f32))
+    (grads,) = vjp_fn(scale_cotangent(d_out, ls).astype(out_dtype))
     grads = jax.tree.map(lambda g: g.astype(f32), grads)
 
     # What makes this step unusable: an f16 overflow (always; checked leaf by leaf, as before), any

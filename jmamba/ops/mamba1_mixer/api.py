@@ -13,11 +13,12 @@ scan's reference / xla implementation, differentiated by autodiff.
 Implementation contract (what "reference", "xla" and "pallas" register with `dispatch`):
 
     fn(x, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A, D, conv_state,
-       ssm_state, reset, *, tuning) -> (y [Bt, T, E] x.dtype, new conv state [Bt, K-1, E] f32,
-                                        h_last [Bt, E, N] f32)
+       ssm_state, reset, *, tuning, xz_packed) -> (y [Bt, T, E] x.dtype, new conv state [Bt, K-1, E] f32,
+                                                   h_last [Bt, E, N] f32)
 
 with arguments validated once here; conv_state an array (zeros when no state was given), ssm_state
-an array or None (zeros), reset a [Bt, T] bool mask or None, tuning a `SelectiveScanTuning`.
+an array or None (zeros), reset a [Bt, T] bool mask or None, tuning a `SelectiveScanTuning`, and
+`xz_packed` True when x is the packed [Bt, T, 2E] (x | z) array and z is None.
 
 Choosing: `implementation=None` uses a preference set for this op with `dispatch.prefer`, else one
 set for "selective_scan" (the op is a composition around that scan), else the automatic order.
@@ -39,13 +40,14 @@ OP = "mamba1_mixer_core"
 
 def mamba1_mixer_core(x, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A, D, *,
                       initial_state=None, return_final_state=False, reset=None, implementation=None,
-                      tuning=None):
+                      tuning=None, xz_packed=False):
     """Causal conv + SiLU, the x / Δ projections and the selective scan (softplus Δ, D, z gate).
 
     Args:
       x: [Bt, T, E] pre-conv input (the first half of in_proj's output), float32 / bf16 / f16: the
-        compute dtype of the two matmuls and of y.
-      z: [Bt, T, E] gate (y is multiplied by silu(z)), or None.
+        compute dtype of the two matmuls and of y. With `xz_packed=True`: in_proj's whole output
+        [Bt, T, 2E], the conv input in its first E channels and the gate z in its last E.
+      z: [Bt, T, E] gate (y is multiplied by silu(z)), or None (no gate; must be None when packed).
       conv_kernel: [K, E] depthwise taps (`kernel[k, e] = torch conv1d.weight[e, 0, k]`); conv_bias: [E] or None.
       x_proj_kernel: [E, R + 2N] (Δin | B | C). dt_proj_kernel: [R, E]. dt_bias: [E] or None (added to
         delta before the thresholded softplus).
@@ -56,12 +58,16 @@ def mamba1_mixer_core(x, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kerne
         position): the conv sees nothing before it, the scan restarts from 0.
       implementation: None (see the module docstring), "reference", "xla" or "pallas".
       tuning: a `SelectiveScanTuning` (None: the current `jmamba.ops.tuning` settings of selective_scan).
+      xz_packed: x is the packed [Bt, T, 2E] array (above). Same values as passing its two halves;
+        the Pallas implementation then reads both halves in place and returns x's cotangent packed
+        the same way, so neither direction copies them apart (in_proj stays one matmul).
 
     Returns:
       y [Bt, T, E] in x.dtype, or (y, Mamba1CoreState) when return_final_state (both float32).
     """
+    check_bool("xz_packed", xz_packed)
     args = normalize_arguments(x, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A, D,
-                               initial_state, reset)
+                               initial_state, reset, xz_packed=xz_packed)
     check_bool("return_final_state", return_final_state)
     tuning = current_tuning(SCAN_OP, tuning)
     if implementation is None:
@@ -71,15 +77,25 @@ def mamba1_mixer_core(x, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kerne
     # batch-sharded under a data-parallel mesh: x z | weights | states reset
     y, conv_last, h_last = call_batch_sharded(
         impl.fn, args, (True, True, False, False, False, False, False, False, False, True, True, True),
-        tuning=tuning)
+        tuning=tuning, xz_packed=xz_packed)
     return (y, Mamba1CoreState(conv=conv_last, ssm=h_last)) if return_final_state else y
 
 
 def normalize_arguments(x, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A, D,
-                        initial_state, reset):
+                        initial_state, reset, *, xz_packed=False):
     """Validates a call; returns the implementation arguments (conv state zeros when none was given)."""
-    check_array("x", x, (None, None, None), "[batch, seqlen, d_inner]")
-    bsz, seqlen, e = shape_of(x)
+    if xz_packed:
+        check_array("x", x, (None, None, None), "[batch, seqlen, 2 * d_inner] (xz_packed: x | z)")
+        bsz, seqlen, e2 = shape_of(x)
+        if e2 % 2:
+            raise ValueError(f"x must have an even number of channels (x | z halves) with xz_packed=True, "
+                             f"got shape {shape_of(x)}")
+        if z is not None:
+            raise ValueError("z must be None with xz_packed=True (the gate is x's second half)")
+        e = e2 // 2
+    else:
+        check_array("x", x, (None, None, None), "[batch, seqlen, d_inner]")
+        bsz, seqlen, e = shape_of(x)
     if z is not None:
         check_array("z", z, (bsz, seqlen, e), "[batch, seqlen, d_inner] like x")
     check_array("conv_kernel", conv_kernel, (None, e), "[d_conv, d_inner]")

@@ -97,23 +97,43 @@ def _conv(x, conv_state, kernel, bias, reset):
             return state[:, k:k + seqlen]
         return jnp.concatenate([state[:, k:], xf[:, :seqlen - j]], axis=1)
 
+    new_state = conv_new_state(x, conv_state, reset, k_size, f32)
+    if reset is None or seqlen == 0:     # (an empty window has nothing to reset)
+        c = sum(w[k] * tap_input(k) for k in range(k_size))
+    else:
+        # Segment id of every position of x̃: the carried context is segment 0, each reset starts a new one.
+        seg_x, seg = _segments(reset, k_size)
+        c = sum(w[k] * jnp.where((seg[:, k:k + seqlen] == seg_x)[..., None], tap_input(k), 0.0)
+                for k in range(k_size))
+    return (c if bias is None else c + bias.astype(f32)), new_state
+
+
+def _segments(reset, k_size):
+    """Segment ids of x ([Bt, T]) and of x̃ ([Bt, K-1+T]; the carried context is segment 0)."""
+    seg_x = jnp.cumsum(reset.astype(jnp.int32), axis=1)
+    return seg_x, jnp.concatenate([jnp.zeros((reset.shape[0], k_size - 1), jnp.int32), seg_x], axis=1)
+
+
+def new_state_keep(reset, k_size):
+    """[Bt, K-1, 1] bool: which rows of the new conv state survive the window's resets (None: all)."""
+    if reset is None or reset.shape[1] == 0:
+        return None
+    seg_x, seg = _segments(reset, k_size)
+    return (seg[:, reset.shape[1]:] == seg_x[:, -1:])[..., None]
+
+
+def conv_new_state(x, conv_state, reset, k_size, f32):
+    """The conv state after the window: x̃'s last K-1 rows in `f32` (the conv's accumulation dtype),
+    zeroed before a reset."""
+    state, xf, seqlen = conv_state.astype(f32), x.astype(f32), x.shape[1]
     if k_size == 1:
         new_state = state
     elif seqlen >= k_size - 1:
         new_state = xf[:, seqlen - (k_size - 1):]
     else:
         new_state = jnp.concatenate([state[:, seqlen:], xf], axis=1)
-    if reset is None or seqlen == 0:     # (an empty window has nothing to reset)
-        c = sum(w[k] * tap_input(k) for k in range(k_size))
-    else:
-        # Segment id of every position of x̃: the carried context is segment 0, each reset starts a new one.
-        seg_x = jnp.cumsum(reset.astype(jnp.int32), axis=1)                   # [Bt, T]
-        seg = jnp.concatenate([jnp.zeros((x.shape[0], k_size - 1), jnp.int32), seg_x], axis=1)
-        c = sum(w[k] * jnp.where((seg[:, k:k + seqlen] == seg_x)[..., None], tap_input(k), 0.0)
-                for k in range(k_size))
-        keep = (seg[:, seqlen:] == seg_x[:, -1:])[..., None]
-        new_state = jnp.where(keep, new_state, 0.0)
-    return (c if bias is None else c + bias.astype(f32)), new_state
+    keep = new_state_keep(reset, k_size)
+    return new_state if keep is None else jnp.where(keep, new_state, 0.0)
 
 
 def _conv_fwd(x, conv_state, kernel, bias, reset):
@@ -142,9 +162,8 @@ def _conv_bwd(res, cts):
     if seqlen == 0:
         reset = None        # as in the forward: an empty window resets nothing
     if reset is not None:   # the forward's segment ids and masks
-        seg_x = jnp.cumsum(reset.astype(jnp.int32), axis=1)                   # [Bt, T]
-        seg = jnp.concatenate([jnp.zeros((bt, k_size - 1), jnp.int32), seg_x], axis=1)
-        d_new = jnp.where((seg[:, seqlen:] == seg_x[:, -1:])[..., None], d_new, 0.0)
+        seg_x, seg = _segments(reset, k_size)
+        d_new = jnp.where(new_state_keep(reset, k_size), d_new, 0.0)
 
     def dc_tap(k, lo, hi):
         """m_k · dc[lo:hi]: [Bt, hi-lo, E], a fresh select for each consumer (none is materialized)."""
@@ -197,11 +216,18 @@ def scan_operands(x, conv_state, conv_kernel, conv_bias, x_proj_kernel, dt_proj_
       (u [Bt, T, E] x.dtype, delta [Bt, T, E] x.dtype (before bias and softplus), B, C [Bt, T, 1, N]
       x.dtype, new conv state [Bt, K-1, E] float32).
     """
-    rank = dt_proj_kernel.shape[0]
-    n = (x_proj_kernel.shape[1] - rank) // 2
     c, new_conv = _conv(x, conv_state, conv_kernel, conv_bias, reset)   # arguments checked by the op
     u = jax.nn.silu(c).astype(x.dtype)
+    delta, Bm, Cm = projections(u, x_proj_kernel, dt_proj_kernel)
+    return u, delta, Bm, Cm, new_conv
+
+
+def projections(u, x_proj_kernel, dt_proj_kernel):
+    """(delta [Bt, T, E], B, C [Bt, T, 1, N]) from u [Bt, T, E]: Δin, B, C = split(u · W_x), delta =
+    Δin · W_dt, both matmuls in u.dtype."""
+    rank = dt_proj_kernel.shape[0]
+    n = (x_proj_kernel.shape[1] - rank) // 2
     x_dbl = jnp.dot(u, x_proj_kernel.astype(u.dtype))
     dt_in, Bm, Cm = x_dbl[..., :rank], x_dbl[..., rank:rank + n], x_dbl[..., rank + n:]
-    delta = jnp.dot(dt_in, dt_proj_kernel.astype(x.dtype))
-    return u, delta, Bm[..., None, :], Cm[..., None, :], new_conv
+    delta = jnp.dot(dt_in, dt_proj_kernel.astype(u.dtype))
+    return delta, Bm[..., None, :], Cm[..., None, :]

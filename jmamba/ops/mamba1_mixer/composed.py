@@ -11,7 +11,10 @@ def composed(scan_fn):
     """An implementation of the op contract (api.py) from a selective-scan implementation function."""
 
     def mixer_core(x, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A, D, conv_state,
-                   ssm_state, reset, *, tuning=None):
+                   ssm_state, reset, *, tuning=None, xz_packed=False):
+        if xz_packed:       # in_proj's whole output: x | z halves
+            e = conv_kernel.shape[1]
+            x, z = x[..., :e], x[..., e:]
         u, delta, Bm, Cm, new_conv = scan_operands(x, conv_state, conv_kernel, conv_bias, x_proj_kernel,
                                                    dt_proj_kernel, reset)
         y, h_last = scan_fn(u, delta, A, Bm, Cm, D, z, dt_bias, ssm_state, reset, delta_softplus=True,

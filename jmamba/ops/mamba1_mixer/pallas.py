@@ -1,19 +1,25 @@
-"""The "pallas" implementation of `mamba1_mixer_core`: one `custom_vjp` around the per-position
-preprocessing and the Pallas selective-scan kernels.
+"""The "pallas" implementation of `mamba1_mixer_core`: one `custom_vjp` around Pallas kernels for the
+conv + SiLU and the selective scan, with the two small projections between them in XLA.
 
-Forward: `scan_operands` (conv + SiLU, x_proj, dt_proj; XLA fusions and two matmuls), then the scan's
-forward kernels (`pallas_kernels.selective_scan.selective_scan_forward`).
-Saved for the backward: the op's inputs (x, z, weights, states, reset) and the scan's chunk-start
-states and δ sums ([Bt, T/chunk, ...], nothing per position). The conv output, u, delta, B and C are
-**not** saved: the backward recomputes them from x (one conv fusion and two small matmuls), which is
-what keeps a layer's activation memory near the official fused path's (x, z and the out_proj input).
-Backward: the recomputation, the scan's backward kernels (`selective_scan_backward`) from the saved
-chunk states, then the transpose of the preprocessing (XLA, fixed-order reductions: deterministic).
+Forward: u = silu(conv(x̃) + bias) by the conv kernel (`pallas_kernels.causal_conv.conv_silu_forward`,
+reading x in place from in_proj's packed [Bt, T, 2E] output when the op is called with
+`xz_packed=True`), the x / Δ projections (two matmuls), then the scan's forward kernels
+(`pallas_kernels.selective_scan.selective_scan_forward`).
+Saved for the backward: the op's inputs (x or the packed xz, z, weights, states, reset) and the scan's
+chunk-start states and δ sums ([Bt, T/chunk, ...], nothing per position). The conv output, u, delta,
+B and C are **not** saved: the backward recomputes u with the conv kernel and delta, B, C with the two
+matmuls, which keeps a layer's activation memory near the official fused path's.
+Backward: the recomputation, the scan's backward kernels from the saved chunk states, the projections'
+transpose (matmuls), then one conv kernel (`conv_silu_backward`) that recomputes c, forms dc from
+both cotangents of u, and writes dx (into the packed [Bt, T, 2E] cotangent beside dz), the carried
+state's cotangent and per-block partials of the conv weight and bias gradients (summed by XLA in a
+fixed order: deterministic).
 
-Numerics: identical to the "xla"/"reference" composition's formulas. The backward recomputes u and
-delta with the same operations as the forward (bit-identical on CPU, where it is tested; on the GPU
-XLA compiles the recomputation inside the backward's program, which is expected but not tested to
-round identically), and the scan's backward reads them beside the forward's saved chunk states.
+Numerics: the formulas of the "xla"/"reference" composition in float32 (conv, SiLU and their
+derivatives; the kernel sums the two cotangents of u in float32 where autodiff adds them in u's
+dtype); tested against the reference on CPU (interpreted) and the GPU. Windows shorter than
+d_conv - 1 (decode-sized prefixes) run the conv through the op's XLA formula instead
+(`common.causal_conv1d`: the same float32 formula), inside the same custom_vjp structure.
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ import functools
 
 import jax
 
-from jmamba.ops.mamba1_mixer.common import scan_operands
+import jax.numpy as jnp
+
+from jmamba.core.dtypes import accum_dtype
+from jmamba.ops.mamba1_mixer.common import conv_new_state, new_state_keep, projections, scan_operands
 from jmamba.ops.pallas_platform import interpret_mode
 from jmamba.ops.selective_scan import pallas as scan_pallas
 
@@ -33,9 +42,16 @@ def supported(*, platform, x, A, **call):
 
 
 def mamba1_mixer_core_pallas(x, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A, D,
-                             conv_state, ssm_state, reset, *, tuning=None):
+                             conv_state, ssm_state, reset, *, tuning=None, xz_packed=False):
     """The op's implementation signature (api.py); `tuning.pallas_config`: a ScanBlockConfig or None."""
     static = (tuning and tuning.pallas_config, interpret_mode())
+    k_size = conv_kernel.shape[0]
+    if x.shape[1] >= k_size - 1:
+        return _core_conv_kernel(static + (xz_packed,), x, z, conv_kernel, conv_bias, x_proj_kernel,
+                                 dt_proj_kernel, dt_bias, A, D, conv_state, ssm_state, reset)
+    if xz_packed:      # a window shorter than the conv's context: the XLA conv (same formula)
+        e = conv_kernel.shape[1]
+        x, z = x[..., :e], x[..., e:]
     return _core(static, x, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A, D,
                  conv_state, ssm_state, reset)
 
@@ -43,6 +59,76 @@ def mamba1_mixer_core_pallas(x, z, conv_kernel, conv_bias, x_proj_kernel, dt_pro
 def _kernels():
     from pallas_kernels import selective_scan as kernels
     return kernels
+
+
+def _conv_kernels():
+    from pallas_kernels import causal_conv
+    return causal_conv
+
+
+# ------------------------------------------------------------------- the conv kernel path (T >= K-1)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _core_conv_kernel(static, src, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A, D,
+                      conv_state, ssm_state, reset):
+    out, _ = _core_conv_kernel_fwd(static, src, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel,
+                                   dt_bias, A, D, conv_state, ssm_state, reset)
+    return out
+
+
+def _split(src, z, conv_kernel, packed):
+    """(x, z) views of the op's input: the packed array's halves, or the arrays themselves."""
+    if not packed:
+        return src, z
+    e = conv_kernel.shape[1]
+    return src[..., :e], src[..., e:]
+
+
+def _core_conv_kernel_fwd(static, src, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A,
+                          D, conv_state, ssm_state, reset):
+    config, interpret, packed = static
+    x, gate = _split(src, z, conv_kernel, packed)
+    u = _conv_kernels().conv_silu_forward(src, conv_state, conv_kernel, conv_bias, reset, interpret=interpret)
+    delta, Bm, Cm = projections(u, x_proj_kernel, dt_proj_kernel)
+    y, h_last, scan_residuals = _kernels().selective_scan_forward(
+        u, delta, A, Bm, Cm, D, gate, dt_bias, ssm_state, reset, delta_softplus=True, config=config,
+        interpret=interpret)
+    new_conv = conv_new_state(x, conv_state, reset, conv_kernel.shape[0], accum_dtype(x.dtype, conv_kernel.dtype))
+    residuals = (src, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A, D, conv_state,
+                 ssm_state, reset, scan_residuals)
+    return (y, new_conv, h_last), residuals
+
+
+def _core_conv_kernel_bwd(static, residuals, cotangents):
+    config, interpret, packed = static
+    (src, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A, D, conv_state, ssm_state, reset,
+     scan_residuals) = residuals
+    d_y, d_new_conv, d_h_last = cotangents
+    k_size, e = conv_kernel.shape
+    _, gate = _split(src, z, conv_kernel, packed)
+    conv = _conv_kernels()
+    u = conv.conv_silu_forward(src, conv_state, conv_kernel, conv_bias, reset, interpret=interpret)
+    (delta, Bm, Cm), projections_vjp = jax.vjp(projections, u, x_proj_kernel, dt_proj_kernel)
+    du, d_delta, dA, dB, dC, dD, dz, d_dt_bias, d_ssm = _kernels().selective_scan_backward(
+        u, delta, A, Bm, Cm, D, gate, dt_bias, ssm_state, reset, scan_residuals, d_y, d_h_last,
+        delta_softplus=True, config=config, interpret=interpret)
+    du_proj, d_x_proj, d_dt_proj = projections_vjp((d_delta, dB, dC))
+    d_src, d_conv_state, d_conv_kernel, d_conv_bias = conv.conv_silu_backward(
+        src, conv_state, conv_kernel, conv_bias, reset, du, du_proj, dz if packed else None, interpret=interpret)
+    if k_size > 1:      # the new state is x's last K-1 rows (T >= K-1 on this path): route its cotangent
+        keep = new_state_keep(reset, k_size)
+        d_new = d_new_conv if keep is None else jnp.where(keep, d_new_conv, 0.0)
+        tail = d_src[:, src.shape[1] - (k_size - 1):, :e]
+        d_src = d_src.at[:, src.shape[1] - (k_size - 1):, :e].set(
+            (tail.astype(d_new.dtype) + d_new).astype(d_src.dtype))
+    return (d_src, None if packed else dz, d_conv_kernel.astype(conv_kernel.dtype),
+            None if conv_bias is None else d_conv_bias.astype(conv_bias.dtype),
+            d_x_proj, d_dt_proj, d_dt_bias, dA, dD, d_conv_state.astype(conv_state.dtype), d_ssm, None)
+
+
+_core_conv_kernel.defvjp(_core_conv_kernel_fwd, _core_conv_kernel_bwd)
+
+
+# ------------------------------------------------------------- the XLA conv path (windows < K-1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

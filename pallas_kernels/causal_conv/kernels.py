@@ -1,0 +1,138 @@
+"""The two kernel bodies of the causal conv + SiLU (Triton via Pallas; CPU via the interpreter).
+
+Notation (per program: batch row b, positions [t0, t0 + block_t), channels [e0, e0 + block_e)):
+K = d_conv taps, j = K-1-k the look-back of tap k, H the halo (power of two >= K-1) and
+  c_t = Σ_k w[k]·m(t, j)·x̃[t - j] + bias,   u_t = silu(c_t) = c_t·σ(c_t)
+where x̃[p] is x[p] for p >= 0 and the carried conv state for p < 0, and m(t, j) = (j <= dist_t)
+is the reset mask (dist_t = positions since the latest reset at or before t; no mask without
+resets). The backward, with g_t = du_a[t] + du_b[t] (the two cotangents of u, summed in float32):
+  dc_t = g_t·σ_t + (c_t·g_t)·(σ_t·(1 - σ_t))        (0 at padding positions t >= T)
+  dx[t] = Σ_k w[k]·m(t + j, j)·dc[t + j]             (needs dc of the next K-1 positions: the halo)
+  dw[k] = Σ_t m(t, j)·dc_t·x̃[t - j],   db = Σ_t dc_t  (per program; the caller sums the partials)
+  dstate[s] = Σ_k w[k]·m(p + j, j)·dc[p + j] for the state position p = s - (K-1) (program t0 = 0).
+Everything is float32; rows are loaded one by one at static indices (no value slicing, which the
+Triton lowering does not support), so a program's loads are all issued before its arithmetic.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common.dtypes import F32
+
+
+def _sigmoid(c):
+    return 1.0 / (1.0 + jnp.exp(-c))
+
+
+def _x_rows(refs, first, *, halo, block_t, future):
+    """x̃ rows at positions t0 - halo .. t0 + block_t (+ halo with `future`) - 1, float32 (`first`:
+    this is the sequence's first block, whose past rows are the carried state)."""
+    rows = [jnp.where(first, refs["state"][i].astype(F32), refs["past"][i].astype(F32)) for i in range(halo)]
+    rows += [refs["x"][i].astype(F32) for i in range(block_t)]
+    if future:
+        rows += [refs["future"][i].astype(F32) for i in range(halo)]
+    return rows
+
+
+def _dist(refs, r, block_t):
+    """dist at the program's position t0 + r (r may reach into the next block's halo)."""
+    return refs["dist"][r] if r < block_t else refs["dist_future"][r - block_t]
+
+
+def _conv_at(rows, w, bias, refs, r, *, k_size, halo, block_t, has_reset):
+    """c at position t0 + r from the x̃ rows (k = 0 first, then the bias: the reference's order)."""
+    c = None
+    d = _dist(refs, r, block_t) if has_reset else None
+    for k in range(k_size):
+        j = k_size - 1 - k
+        v = w[k] * rows[halo + r - j]
+        if has_reset and j > 0:
+            v = jnp.where(j <= d, v, 0.0)
+        c = v if c is None else c + v
+    return c + bias
+
+
+def forward_body(refs, *, k_size, halo, block_t, has_reset):
+    """u rows of the program's block (module docstring)."""
+    w = [refs["w"][k].astype(F32) for k in range(k_size)]
+    bias = refs["bias"][...].astype(F32)
+    rows = _x_rows(refs, pl.program_id(1) == 0, halo=halo, block_t=block_t, future=False)
+    for i in range(block_t):
+        c = _conv_at(rows, w, bias, refs, i, k_size=k_size, halo=halo, block_t=block_t, has_reset=has_reset)
+        refs["u"][i] = (c * _sigmoid(c)).astype(refs["u"].dtype)
+
+
+def backward_body(refs, *, k_size, halo, block_t, seqlen, has_reset, conv_blocks):
+    """dx, the dw / db partials and (first block) dstate of the program's block; programs whose
+    channel block index is >= `conv_blocks` copy their block of dz into the packed cotangent."""
+    t, e = pl.program_id(1), pl.program_id(2)     # (read here: program_id inside pl.when does not interpret)
+
+    if "dz" in refs:
+        @pl.when(e >= conv_blocks)
+        def _():
+            refs["dx"][...] = refs["dz"][...].astype(refs["dx"].dtype)
+
+    @pl.when(e < conv_blocks)
+    def _():
+        _conv_backward(refs, t, k_size=k_size, halo=halo, block_t=block_t, seqlen=seqlen, has_reset=has_reset)
+
+
+def _conv_backward(refs, t, *, k_size, halo, block_t, seqlen, has_reset):
+    t0 = t * block_t
+    w = [refs["w"][k].astype(F32) for k in range(k_size)]
+    bias = refs["bias"][...].astype(F32)
+    rows = _x_rows(refs, t == 0, halo=halo, block_t=block_t, future=True)
+
+    def g_at(r):
+        if r < block_t:
+            return refs["du_a"][r].astype(F32) + refs["du_b"][r].astype(F32)
+        return refs["du_a_future"][r - block_t].astype(F32) + refs["du_b_future"][r - block_t].astype(F32)
+
+    dc = []
+    for r in range(block_t + k_size - 1):       # this block and the first K-1 positions after it
+        c = _conv_at(rows, w, bias, refs, r, k_size=k_size, halo=halo, block_t=block_t, has_reset=has_reset)
+        g = g_at(r)
+        s = _sigmoid(c)
+        d = g * s + (c * g) * (s * (1.0 - s))
+        dc.append(jnp.where(t0 + r < seqlen, d, 0.0))
+
+    def masked(r, j):
+        """m(t0 + r, j)·dc[r]."""
+        if not has_reset or j == 0:
+            return dc[r]
+        return jnp.where(j <= _dist(refs, r, block_t), dc[r], 0.0)
+
+    for i in range(block_t):
+        acc = None
+        for k in range(k_size):
+            j = k_size - 1 - k
+            v = w[k] * masked(i + j, j)
+            acc = v if acc is None else acc + v
+        refs["dx"][i] = acc.astype(refs["dx"].dtype)
+
+    for k in range(k_size):
+        j = k_size - 1 - k
+        acc = None
+        for i in range(block_t):
+            v = masked(i, j) * rows[halo + i - j]
+            acc = v if acc is None else acc + v
+        refs["dw"][k] = acc
+    db = dc[0]
+    for i in range(1, block_t):
+        db = db + dc[i]
+    refs["db"][...] = db
+
+    @pl.when(t == 0)
+    def _():
+        for row in range(halo):
+            s_idx = row - (halo - (k_size - 1))      # state row held in this (front-padded) row
+            acc = jnp.zeros_like(bias)
+            if s_idx >= 0:
+                p = s_idx - (k_size - 1)            # its position (< 0)
+                for k in range(k_size):
+                    j = k_size - 1 - k
+                    if 0 <= p + j < block_t:
+                        acc = acc + w[k] * masked(p + j, j)
+            refs["d_state"][row] = acc

@@ -1,0 +1,140 @@
+"""The Pallas causal conv + SiLU kernels (`pallas_kernels.causal_conv`) against the pure-JAX conv of
+`jmamba.ops.causal_conv1d` followed by SiLU, differentiated by its own custom_vjp: u and every
+cotangent (x, the carried state, the taps, the bias; the packed dz copy), float32 / bf16 / f16,
+d_conv 1, 3 and 4, odd lengths and widths (padding, partial channel blocks), resets, interpreted on
+the CPU; lowering for an abstract H200; and on the H200 itself."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import assert_close
+from jmamba.ops import causal_conv1d
+from pallas_kernels.causal_conv import ConvBlockConfig, conv_silu_backward, conv_silu_forward
+
+
+def make(bt, seqlen, e, k, dtype, *, packed, reset, seed=0):
+    rng = np.random.default_rng(seed)
+    f = lambda *s, dt=jnp.float32: jnp.asarray(rng.normal(size=s), dt)
+    src = f(bt, seqlen, 2 * e if packed else e, dt=dtype)
+    state = f(bt, k - 1, e)
+    kernel, bias = 0.5 * f(k, e), 0.2 * f(e)
+    rs = jnp.asarray(rng.random((bt, seqlen)) < 0.12) if reset else None
+    du_a, du_b = f(bt, seqlen, e, dt=dtype), f(bt, seqlen, e, dt=dtype)
+    dz = f(bt, seqlen, e, dt=dtype) if packed else None
+    return src, state, kernel, bias, rs, du_a, du_b, dz
+
+
+def reference(src, state, kernel, bias, reset, du):
+    """(u, (dx, dstate, dkernel, dbias)) of silu(causal_conv1d(x)) with the cotangent du, in float32."""
+    e = kernel.shape[1]
+    x = src[..., :e].astype(jnp.float32)
+
+    def f(x, state, kernel, bias):
+        c, _ = causal_conv1d(x, state, kernel, bias, reset)
+        return jax.nn.silu(c)
+
+    u, vjp = jax.vjp(f, x, state, kernel, bias)
+    return u, vjp(du)
+
+
+CASES = [
+    # (Bt, T, E, K), dtype, packed, reset, config, tolerance
+    ((2, 37, 8, 4), jnp.float32, False, False, ConvBlockConfig(block_t=8, block_e=4), 2e-6),
+    ((2, 37, 8, 4), jnp.float32, True, True, ConvBlockConfig(block_t=8, block_e=4), 2e-6),
+    ((3, 16, 12, 3), jnp.bfloat16, True, True, ConvBlockConfig(block_t=4, block_e=8), 1e-2),
+    ((1, 5, 4, 4), jnp.float16, False, True, ConvBlockConfig(block_t=4, block_e=2), 2e-3),
+    ((2, 9, 6, 1), jnp.float32, True, True, ConvBlockConfig(block_t=4, block_e=2), 2e-6),   # K = 1
+    ((1, 70, 16, 4), jnp.bfloat16, True, False, None, 1e-2),                                  # the defaults
+]
+
+
+@pytest.mark.parametrize("shape,dtype,packed,reset,config,tol", CASES,
+                         ids=["f32", "f32-packed-resets", "bf16-K3", "f16-short", "f32-K1", "bf16-defaults"])
+def test_values_and_every_cotangent_match_the_xla_conv(shape, dtype, packed, reset, config, tol):
+    bt, seqlen, e, k = shape
+    src, state, kernel, bias, rs, du_a, du_b, dz = make(bt, seqlen, e, k, dtype, packed=packed, reset=reset)
+    u = conv_silu_forward(src, state, kernel, bias, rs, config=config, interpret=True)
+    d_src, d_state, d_kernel, d_bias = conv_silu_backward(src, state, kernel, bias, rs, du_a, du_b, dz,
+                                                          config=config, interpret=True)
+    du = du_a.astype(jnp.float32) + du_b.astype(jnp.float32)
+    want_u, (dx, dstate, dkernel, dbias) = reference(src, state, kernel, bias, rs, du)
+    assert u.dtype == src.dtype and u.shape == (bt, seqlen, e)
+    assert d_src.dtype == src.dtype and d_src.shape == src.shape
+    assert_close("u", u, want_u, tol)
+    assert_close("dx", d_src[..., :e], dx, tol)
+    assert_close("d_state", d_state, dstate, tol)
+    assert_close("d_kernel", d_kernel, dkernel, tol)
+    assert_close("d_bias", d_bias, dbias, tol)
+    if packed:
+        np.testing.assert_array_equal(np.asarray(d_src[..., e:], np.float32), np.asarray(dz, np.float32))
+
+
+def test_no_bias_and_no_reset_mask_are_the_zero_bias_and_no_reset():
+    src, state, kernel, bias, rs, du_a, du_b, dz = make(2, 21, 8, 4, jnp.float32, packed=False, reset=False)
+    cfg = ConvBlockConfig(block_t=4, block_e=4)
+    u = conv_silu_forward(src, state, kernel, None, None, config=cfg, interpret=True)
+    want_u, (dx, *_) = reference(src, state, kernel, jnp.zeros_like(bias), None, du_a + du_b)
+    assert_close("u", u, want_u, 2e-6)
+    no_resets = jnp.zeros((2, 21), bool)
+    got = conv_silu_backward(src, state, kernel, bias, no_resets, du_a, du_b, None, config=cfg, interpret=True)
+    plain = conv_silu_backward(src, state, kernel, bias, None, du_a, du_b, None, config=cfg, interpret=True)
+    for name, a, b in zip(("dx", "d_state", "d_kernel", "d_bias"), got, plain):   # (FMA contraction may differ)
+        assert_close(name, a, b, 1e-6)
+
+
+def test_dz_must_come_with_a_packed_source():
+    src, state, kernel, bias, rs, du_a, du_b, dz = make(1, 8, 4, 4, jnp.float32, packed=False, reset=False)
+    with pytest.raises(ValueError, match="dz must be given exactly when src is the packed"):
+        conv_silu_backward(src, state, kernel, bias, None, du_a, du_b, du_a, interpret=True)
+
+
+def test_kernels_lower_to_triton_for_h200():
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    s = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+
+    def f(src, st, w, b, reset, g1, g2, dz):
+        return conv_silu_forward(src, st, w, b, reset), conv_silu_backward(src, st, w, b, reset, g1, g2, dz)
+
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    for reset in (None, s((8, 2048), jnp.bool_)):
+        args = (s((8, 2048, 3072), bf), s((8, 3, 1536), jnp.float32), s((4, 1536), jnp.float32),
+                s((1536,), jnp.float32), reset, s((8, 2048, 1536), bf), s((8, 2048, 1536), bf),
+                s((8, 2048, 1536), bf))
+        with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+            warnings.simplefilter("ignore", DeprecationWarning)
+            text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,dtype,packed,reset,tol", [
+    ((8, 2048, 1536, 4), jnp.bfloat16, True, False, 1e-2),
+    ((2, 999, 96, 4), jnp.float32, False, True, 2e-5),
+    ((3, 300, 40, 3), jnp.float16, True, True, 3e-3),
+], ids=["perf-shape-packed", "f32-odd-resets", "f16-K3"])
+def test_gpu_values_and_cotangents_match_the_cpu_reference(shape, dtype, packed, reset, tol):
+    """On the H200, against the XLA conv run on the CPU (XLA:GPU fuses with excess precision)."""
+    bt, seqlen, e, k = shape
+    ops_ = make(bt, seqlen, e, k, dtype, packed=packed, reset=reset)
+    src, state, kernel, bias, rs, du_a, du_b, dz = ops_
+    u = conv_silu_forward(src, state, kernel, bias, rs)
+    got = conv_silu_backward(src, state, kernel, bias, rs, du_a, du_b, dz)
+    again = conv_silu_backward(src, state, kernel, bias, rs, du_a, du_b, dz)
+    for a, b in zip(got, again):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        src, state, kernel, bias, rs, du_a, du_b, dz = jax.device_put(ops_, cpu)
+        want_u, want = reference(src, state, kernel, bias, rs, du_a.astype(jnp.float32) + du_b.astype(jnp.float32))
+    assert_close("u", u, want_u, tol)
+    for name, g, w in zip(("dx", "d_state", "d_kernel", "d_bias"), (got[0][..., :e],) + tuple(got[1:]), want):
+        assert_close(name, g, w, tol)
