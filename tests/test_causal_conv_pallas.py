@@ -30,17 +30,25 @@ def make(bt, seqlen, e, k, dtype, *, packed, reset, seed=0):
     return src, state, kernel, bias, rs, du_a, du_b, dz
 
 
-def reference(src, state, kernel, bias, reset, du):
-    """(u, (dx, dstate, dkernel, dbias)) of silu(causal_conv1d(x)) with the cotangent du, in float32."""
+def reference(src, state, kernel, bias, reset, du, d_new=None):
+    """(u, (dx, dstate, dkernel, dbias)) of silu(causal_conv1d(x)) with the cotangent du (and d_new
+    for the new conv state), in float32."""
     e = kernel.shape[1]
     x = src[..., :e].astype(jnp.float32)
 
     def f(x, state, kernel, bias):
-        c, _ = causal_conv1d(x, state, kernel, bias, reset)
-        return jax.nn.silu(c)
+        c, new = causal_conv1d(x, state, kernel, bias, reset)
+        return jax.nn.silu(c), new
 
-    u, vjp = jax.vjp(f, x, state, kernel, bias)
-    return u, vjp(du)
+    (u, new), vjp = jax.vjp(f, x, state, kernel, bias)
+    return u, vjp((du, jnp.zeros_like(new) if d_new is None else d_new))
+
+
+def kernel_d_new(d_new, reset, k):
+    """The kernel's d_new argument: the rows a reset drops zeroed (the caller's job, see conv.py)."""
+    from jmamba.ops.mamba1_mixer.common import new_state_keep
+    keep = new_state_keep(reset, k)
+    return d_new if keep is None else jnp.where(keep, d_new, 0.0)
 
 
 CASES = [
@@ -59,11 +67,13 @@ CASES = [
 def test_values_and_every_cotangent_match_the_xla_conv(shape, dtype, packed, reset, config, tol):
     bt, seqlen, e, k = shape
     src, state, kernel, bias, rs, du_a, du_b, dz = make(bt, seqlen, e, k, dtype, packed=packed, reset=reset)
+    d_new = jnp.asarray(np.random.default_rng(5).normal(size=state.shape), jnp.float32)
     u = conv_silu_forward(src, state, kernel, bias, rs, config=config, interpret=True)
     d_src, d_state, d_kernel, d_bias = conv_silu_backward(src, state, kernel, bias, rs, du_a, du_b, dz,
-                                                          config=config, interpret=True)
+                                                          kernel_d_new(d_new, rs, k), config=config,
+                                                          interpret=True)
     du = du_a.astype(jnp.float32) + du_b.astype(jnp.float32)
-    want_u, (dx, dstate, dkernel, dbias) = reference(src, state, kernel, bias, rs, du)
+    want_u, (dx, dstate, dkernel, dbias) = reference(src, state, kernel, bias, rs, du, d_new)
     assert u.dtype == src.dtype and u.shape == (bt, seqlen, e)
     assert d_src.dtype == src.dtype and d_src.shape == src.shape
     assert_close("u", u, want_u, tol)
@@ -88,10 +98,23 @@ def test_no_bias_and_no_reset_mask_are_the_zero_bias_and_no_reset():
         assert_close(name, a, b, 1e-6)
 
 
-def test_dz_must_come_with_a_packed_source():
+def test_dz_must_come_with_a_packed_source_and_d_new_with_the_state_shape():
     src, state, kernel, bias, rs, du_a, du_b, dz = make(1, 8, 4, 4, jnp.float32, packed=False, reset=False)
     with pytest.raises(ValueError, match="dz must be given exactly when src is the packed"):
         conv_silu_backward(src, state, kernel, bias, None, du_a, du_b, du_a, interpret=True)
+    with pytest.raises(ValueError, match=r"d_new must be \[Bt, K-1, E\]"):
+        conv_silu_backward(src, state, kernel, bias, None, du_a, du_b, None, state[:, :2], interpret=True)
+
+
+@pytest.mark.parametrize("seqlen", [34, 33, 40])
+def test_the_new_state_cotangent_lands_on_the_last_rows_across_a_block_boundary(seqlen):
+    """T-(K-1) .. T-1 can straddle two blocks (T = 33, 34 with block_t 32) or end one (T = 40, 8)."""
+    src, state, kernel, bias, rs, du_a, du_b, dz = make(1, seqlen, 4, 4, jnp.float32, packed=True, reset=False)
+    d_new = jnp.asarray(np.random.default_rng(7).normal(size=state.shape), jnp.float32)
+    cfg = ConvBlockConfig(block_t=32 if seqlen < 40 else 8, block_e=4)
+    got = conv_silu_backward(src, state, kernel, bias, None, du_a, du_b, dz, d_new, config=cfg, interpret=True)
+    _, want = reference(src, state, kernel, bias, None, du_a + du_b, d_new)
+    assert_close("dx", got[0][..., :4], want[0], 2e-6)
 
 
 def test_kernels_lower_to_triton_for_h200():
@@ -126,15 +149,17 @@ def test_gpu_values_and_cotangents_match_the_cpu_reference(shape, dtype, packed,
     bt, seqlen, e, k = shape
     ops_ = make(bt, seqlen, e, k, dtype, packed=packed, reset=reset)
     src, state, kernel, bias, rs, du_a, du_b, dz = ops_
+    d_new = jnp.asarray(np.random.default_rng(5).normal(size=state.shape), jnp.float32)
     u = conv_silu_forward(src, state, kernel, bias, rs)
-    got = conv_silu_backward(src, state, kernel, bias, rs, du_a, du_b, dz)
-    again = conv_silu_backward(src, state, kernel, bias, rs, du_a, du_b, dz)
+    got = conv_silu_backward(src, state, kernel, bias, rs, du_a, du_b, dz, kernel_d_new(d_new, rs, k))
+    again = conv_silu_backward(src, state, kernel, bias, rs, du_a, du_b, dz, kernel_d_new(d_new, rs, k))
     for a, b in zip(got, again):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
-        src, state, kernel, bias, rs, du_a, du_b, dz = jax.device_put(ops_, cpu)
-        want_u, want = reference(src, state, kernel, bias, rs, du_a.astype(jnp.float32) + du_b.astype(jnp.float32))
+        src, state, kernel, bias, rs, du_a, du_b, dz, d_new = jax.device_put(ops_ + (d_new,), cpu)
+        want_u, want = reference(src, state, kernel, bias, rs, du_a.astype(jnp.float32) + du_b.astype(jnp.float32),
+                                 d_new)
     assert_close("u", u, want_u, tol)
     for name, g, w in zip(("dx", "d_state", "d_kernel", "d_bias"), (got[0][..., :e],) + tuple(got[1:]), want):
         assert_close(name, g, w, tol)

@@ -130,18 +130,25 @@ def conv_silu_forward(src, conv_state, kernel, bias, reset, *, config=None, inte
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def conv_silu_backward(src, conv_state, kernel, bias, reset, du_a, du_b, dz, *, config=None, interpret=False):
+def conv_silu_backward(src, conv_state, kernel, bias, reset, du_a, du_b, dz, d_new=None, *, config=None,
+                       interpret=False):
     """Cotangents of `conv_silu_forward` for du = du_a + du_b (each [Bt, T, E], any float dtype).
 
     dz: None for src = x ([Bt, T, E]); for the packed src [Bt, T, 2E], the gate's cotangent
     [Bt, T, E], written into the second half of the returned d_src.
+    d_new: None, or [Bt, K-1, E]: the cotangent of the new conv state when that state is x's last
+      K-1 rows (T >= K-1; the caller has zeroed the rows a reset drops); added to dx there.
 
     Returns:
       (d_src [Bt, T, C] src.dtype, d_state [Bt, K-1, E] float32, dkernel [K, E] float32,
-       dbias [E] float32). d_src holds only the conv's part of dx; a cotangent of the new conv state
-      (the last K-1 inputs) is the caller's to add.
+       dbias [E] float32).
     """
     t = _Tiling(src, kernel, config)
+    if d_new is not None and (t.seqlen < t.k_size - 1 or d_new.shape != (t.bt, t.k_size - 1, t.e)):
+        raise ValueError(f"d_new must be [Bt, K-1, E] = {(t.bt, t.k_size - 1, t.e)} with T >= K-1, got "
+                         f"{d_new.shape} with T = {t.seqlen}")
+    if d_new is not None and t.k_size == 1:
+        d_new = None
     packed = t.channels != t.e
     if packed != (dz is not None):
         raise ValueError(f"dz must be given exactly when src is the packed [Bt, T, 2E] array "
@@ -154,7 +161,8 @@ def conv_silu_backward(src, conv_state, kernel, bias, reset, du_a, du_b, dz, *, 
               ("dist", dist, t.dist()), ("dist_future", dist, t.dist_future() if dist is not None else None),
               ("du_a", du_a, t.rows()), ("du_a_future", du_a, t.future()),
               ("du_b", du_b, t.rows()), ("du_b_future", du_b, t.future()),
-              ("dz", None if dz is None else pad_axis_to(dz, 1, t.t_pad), t.rows(offset_blocks=t.n_e))]
+              ("dz", None if dz is None else pad_axis_to(dz, 1, t.t_pad), t.rows(offset_blocks=t.n_e)),
+              ("d_new", None if d_new is None else pad_axis_to(d_new.astype(F32), 1, t.halo), t.per_batch())]
     outputs = [("dx", jax.ShapeDtypeStruct((t.bt, t.t_pad, t.channels), src.dtype), t.out_rows()),
                ("dw", jax.ShapeDtypeStruct((t.bt, t.n_t, t.k_pad, t.e), F32), t.partial_rows(t.k_pad)),
                ("db", jax.ShapeDtypeStruct((t.bt, t.n_t, t.e), F32), t.partial_vector()),

@@ -9,7 +9,9 @@ resets). The backward, with g_t = du_a[t] + du_b[t] (the two cotangents of u, su
   dc_t = g_t·σ_t + (c_t·g_t)·(σ_t·(1 - σ_t))        (0 at padding positions t >= T)
   dx[t] = Σ_k w[k]·m(t + j, j)·dc[t + j]             (needs dc of the next K-1 positions: the halo)
   dw[k] = Σ_t m(t, j)·dc_t·x̃[t - j],   db = Σ_t dc_t  (per program; the caller sums the partials)
-  dstate[s] = Σ_k w[k]·m(p + j, j)·dc[p + j] for the state position p = s - (K-1) (program t0 = 0).
+  dstate[s] = Σ_k w[k]·m(p + j, j)·dc[p + j] for the state position p = s - (K-1) (program t0 = 0),
+and with `d_new` (the cotangent of the new conv state, x's last K-1 rows) added to dx at positions
+T-(K-1) .. T-1 before the taps (the reference's order).
 Everything is float32; rows are loaded one by one at static indices (no value slicing, which the
 Triton lowering does not support), so a program's loads are all issued before its arithmetic.
 """
@@ -104,13 +106,36 @@ def _conv_backward(refs, t, *, k_size, halo, block_t, seqlen, has_reset):
             return dc[r]
         return jnp.where(j <= _dist(refs, r, block_t), dc[r], 0.0)
 
-    for i in range(block_t):
-        acc = None
+    def dx_row(i, tail_row=None):
+        acc = None if tail_row is None else refs["d_new"][tail_row]   # the new state's cotangent first
         for k in range(k_size):
             j = k_size - 1 - k
             v = w[k] * masked(i + j, j)
             acc = v if acc is None else acc + v
-        refs["dx"][i] = acc.astype(refs["dx"].dtype)
+        return acc.astype(refs["dx"].dtype)
+
+    # The new conv state is x's last K-1 rows: their cotangent (d_new, [halo, block_e] with row s for
+    # position T-(K-1)+s) adds to dx there. Those rows lie in at most two blocks, known statically.
+    tail_start = seqlen - (k_size - 1)
+    tail = {}
+    if "d_new" in refs:
+        for s_row in range(k_size - 1):
+            blk, i = divmod(tail_start + s_row, block_t)
+            tail.setdefault(blk, {})[i] = s_row
+    plain = None
+    for blk in tail:
+        plain = (t != blk) if plain is None else jnp.logical_and(plain, t != blk)
+
+    def store_rows(rows_with_tail):
+        for i in range(block_t):
+            refs["dx"][i] = dx_row(i, rows_with_tail.get(i))
+
+    if plain is None:
+        store_rows({})
+    else:
+        pl.when(plain)(lambda: store_rows({}))
+        for blk, rows_with_tail in tail.items():
+            pl.when(t == blk)(lambda r=rows_with_tail: store_rows(r))
 
     for k in range(k_size):
         j = k_size - 1 - k

@@ -103,7 +103,7 @@ def _core_conv_kernel_bwd(static, residuals, cotangents):
     (src, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A, D, conv_state, ssm_state, reset,
      scan_residuals) = residuals
     d_y, d_new_conv, d_h_last = cotangents
-    k_size, e = conv_kernel.shape
+    k_size = conv_kernel.shape[0]
     _, gate = _split(src, z, conv_kernel, packed)
     conv = _conv_kernels()
     u = conv.conv_silu_forward(src, conv_state, conv_kernel, conv_bias, reset, interpret=interpret)
@@ -112,14 +112,12 @@ def _core_conv_kernel_bwd(static, residuals, cotangents):
         u, delta, A, Bm, Cm, D, gate, dt_bias, ssm_state, reset, scan_residuals, d_y, d_h_last,
         delta_softplus=True, config=config, interpret=interpret)
     du_proj, d_x_proj, d_dt_proj = projections_vjp((d_delta, dB, dC))
+    # The new state is x's last K-1 rows (T >= K-1 on this path): the kernel adds its cotangent to dx.
+    keep = new_state_keep(reset, k_size)
+    d_new = d_new_conv if keep is None else jnp.where(keep, d_new_conv, 0.0)
     d_src, d_conv_state, d_conv_kernel, d_conv_bias = conv.conv_silu_backward(
-        src, conv_state, conv_kernel, conv_bias, reset, du, du_proj, dz if packed else None, interpret=interpret)
-    if k_size > 1:      # the new state is x's last K-1 rows (T >= K-1 on this path): route its cotangent
-        keep = new_state_keep(reset, k_size)
-        d_new = d_new_conv if keep is None else jnp.where(keep, d_new_conv, 0.0)
-        tail = d_src[:, src.shape[1] - (k_size - 1):, :e]
-        d_src = d_src.at[:, src.shape[1] - (k_size - 1):, :e].set(
-            (tail.astype(d_new.dtype) + d_new).astype(d_src.dtype))
+        src, conv_state, conv_kernel, conv_bias, reset, du, du_proj, dz if packed else None, d_new,
+        interpret=interpret)
     return (d_src, None if packed else dz, d_conv_kernel.astype(conv_kernel.dtype),
             None if conv_bias is None else d_conv_bias.astype(conv_bias.dtype),
             d_x_proj, d_dt_proj, d_dt_bias, dA, dD, d_conv_state.astype(conv_state.dtype), d_ssm, None)
