@@ -19,6 +19,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 stages=${*:-tests adamw_tests e2e1 e2e3 m3_profile adamw dp2 m3_bench}
 wait_anchors() {  # both official CUDA extensions built (at most 9 min after anchors_build)
   local t=0
+  if [ ! -f .anchors/build.py ] || ! pgrep -f ".anchors/build.py" > /dev/null && ! ls /tmp/ab/ss/selective_scan_cuda*.so > /dev/null 2>&1; then
+    echo "anchors: no build running or done on this machine (run anchors_build in this call, carry .anchors)"; return 1
+  fi
   until ls /tmp/ab/ss/selective_scan_cuda*.so /tmp/ab/cc/causal_conv1d_cuda*.so > /dev/null 2>&1; do
     sleep 5; t=$((t + 5)); if [ $t -ge 540 ]; then echo "anchors not built"; tail -5 "$OUT/anchors_build.log"; return 1; fi
   done
@@ -55,7 +58,9 @@ for s in $stages; do case $s in
   decode)      run decode 240 python3 benchmarks/bench_decode.py --arch mamba1 ;;
   dp2)         run dp_equivalence 50 python3 tests/data_parallel_worker.py "$OUT/dp2.json" mamba1 mamba1_fsdp mamba3 f16_scaler ;
                run dp_throughput 90 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer $OPT --steps 5 --warmup 2 --devices 2 ;;
-  anchors_build) setsid nohup python3 .anchors/build.py /tmp/ab > "$OUT/anchors_build.log" 2>&1 < /dev/null & ;;
+  anchors_build) if [ ! -f .anchors/build.py ]; then   # .anchors is git-ignored: the call must carry it
+                   echo "anchors_build: .anchors/build.py missing (copy the anchors folder to .anchors and carry .anchors)" | tee "$OUT/anchors_build.log"; exit 2; fi
+               setsid nohup python3 .anchors/build.py /tmp/ab > "$OUT/anchors_build.log" 2>&1 < /dev/null & ;;
   side_ops)    wait_anchors && run side_by_side_ops 240 python3 .anchors/side_by_side.py /tmp/ab ops --project . ;;
   side_train)  wait_anchors && run side_by_side_train 200 python3 .anchors/side_by_side.py /tmp/ab train ;;
   side_long)   wait_anchors && run side_by_side_train_long 150 python3 -c "import sys; sys.argv = ['x', '/tmp/ab', 'none']; sys.path.insert(0, '.anchors'); import side_by_side as s; s.train('Mamba1', b=1, l=65536)" ;;
