@@ -150,12 +150,11 @@ def test_pallas_cotangents_without_an_initial_state_match_reference():
         assert_close(f"d{name}", got, want, 3e-5)
 
 
-@pytest.mark.parametrize("impl", ["pallas", "xla"])
-@pytest.mark.parametrize("shape,dtype,options", [
-    ((2, 37, 32, 5, 4, 4), jnp.float32, dict(reset="positions")),
-    ((3, 45, 24, 3, 2, 3), jnp.bfloat16, dict(reset="rows", with_D=False, with_conv_bias=False)),
-    ((2, 2, 16, 4, 3, 4), jnp.float32, dict()),               # T < K-1: the Pallas op's XLA-conv path
-], ids=["f32-resets", "bf16-rows-K3", "short-window"])
+@pytest.mark.parametrize("impl,shape,dtype,options", [
+    ("pallas", (2, 37, 32, 5, 4, 4), jnp.float32, dict(reset="positions")),
+    ("pallas", (2, 2, 16, 4, 3, 4), jnp.float32, dict()),     # T < K-1: the Pallas op's XLA-conv path
+    ("xla", (3, 45, 24, 3, 2, 3), jnp.bfloat16, dict(reset="rows", with_D=False, with_conv_bias=False)),
+], ids=["pallas-f32-resets", "pallas-short-window", "xla-bf16-rows-K3"])
 def test_packed_xz_gives_the_values_and_cotangents_of_its_two_halves(impl, shape, dtype, options):
     """xz_packed=True with x = [x | z] is the same call: outputs, both states and every cotangent
     (dxz = [dx | dz]) equal to the unpacked call's, bit for bit."""

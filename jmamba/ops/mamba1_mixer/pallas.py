@@ -66,6 +66,16 @@ def _conv_kernels():
     return causal_conv
 
 
+def _conv_config(interpret):
+    """The conv kernels' block config: the default on the GPU; under the CPU interpreter 8-position
+    blocks, because the interpreter compiles each program's unrolled rows (its cost grows with
+    block_t, not with the work). The kernels are tested at both sizes (tests/test_causal_conv_pallas.py)."""
+    if not interpret:
+        return None
+    from pallas_kernels.causal_conv import ConvBlockConfig
+    return ConvBlockConfig(block_t=8)
+
+
 # ------------------------------------------------------------------- the conv kernel path (T >= K-1)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _core_conv_kernel(static, src, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A, D,
@@ -87,7 +97,8 @@ def _core_conv_kernel_fwd(static, src, z, conv_kernel, conv_bias, x_proj_kernel,
                           D, conv_state, ssm_state, reset):
     config, interpret, packed = static
     x, gate = _split(src, z, conv_kernel, packed)
-    u = _conv_kernels().conv_silu_forward(src, conv_state, conv_kernel, conv_bias, reset, interpret=interpret)
+    u = _conv_kernels().conv_silu_forward(src, conv_state, conv_kernel, conv_bias, reset,
+                                          config=_conv_config(interpret), interpret=interpret)
     delta, Bm, Cm = projections(u, x_proj_kernel, dt_proj_kernel)
     y, h_last, scan_residuals = _kernels().selective_scan_forward(
         u, delta, A, Bm, Cm, D, gate, dt_bias, ssm_state, reset, delta_softplus=True, config=config,
@@ -106,7 +117,8 @@ def _core_conv_kernel_bwd(static, residuals, cotangents):
     k_size = conv_kernel.shape[0]
     _, gate = _split(src, z, conv_kernel, packed)
     conv = _conv_kernels()
-    u = conv.conv_silu_forward(src, conv_state, conv_kernel, conv_bias, reset, interpret=interpret)
+    u = conv.conv_silu_forward(src, conv_state, conv_kernel, conv_bias, reset, config=_conv_config(interpret),
+                               interpret=interpret)
     (delta, Bm, Cm), projections_vjp = jax.vjp(projections, u, x_proj_kernel, dt_proj_kernel)
     du, d_delta, dA, dB, dC, dD, dz, d_dt_bias, d_ssm = _kernels().selective_scan_backward(
         u, delta, A, Bm, Cm, D, gate, dt_bias, ssm_state, reset, scan_residuals, d_y, d_h_last,
@@ -117,7 +129,7 @@ def _core_conv_kernel_bwd(static, residuals, cotangents):
     d_new = d_new_conv if keep is None else jnp.where(keep, d_new_conv, 0.0)
     d_src, d_conv_state, d_conv_kernel, d_conv_bias = conv.conv_silu_backward(
         src, conv_state, conv_kernel, conv_bias, reset, du, du_proj, dz if packed else None, d_new,
-        interpret=interpret)
+        config=_conv_config(interpret), interpret=interpret)
     return (d_src, None if packed else dz, d_conv_kernel.astype(conv_kernel.dtype),
             None if conv_bias is None else d_conv_bias.astype(conv_bias.dtype),
             d_x_proj, d_dt_proj, d_dt_bias, dA, dD, d_conv_state.astype(conv_state.dtype), d_ssm, None)
