@@ -77,7 +77,21 @@ SWEEP_SUB_CHUNK = [
     dataclasses.replace(_D, bwd_reuse_decay=True),
     dataclasses.replace(_D, bwd_reuse_decay=True, bwd_sub_chunk=4),
 ]
-SWEEP_SETS = {"default": SWEEP, "backward": SWEEP_BACKWARD, "sub-chunk": SWEEP_SUB_CHUNK}
+# `--sweep-set parallel`: the time-parallel chunk-outputs kernel (forward_parallel.py, not yet timed)
+# against the serial default, over its warps and the chunk (the scan's length) and channel block.
+_P = dataclasses.replace(_D, fwd_parallel=True)
+SWEEP_PARALLEL = [
+    _D,
+    _P,
+    dataclasses.replace(_P, parallel_num_warps=2),
+    dataclasses.replace(_P, parallel_num_warps=8),
+    dataclasses.replace(_P, chunk=128),
+    dataclasses.replace(_P, chunk=128, parallel_num_warps=8),
+    dataclasses.replace(_P, block_d=16, bwd_block_d=32),
+    dataclasses.replace(_P, block_d=64, bwd_block_d=32, parallel_num_warps=8),
+]
+SWEEP_SETS = {"default": SWEEP, "backward": SWEEP_BACKWARD, "sub-chunk": SWEEP_SUB_CHUNK,
+              "parallel": SWEEP_PARALLEL}
 
 
 def make_args(shape, dtype=jnp.bfloat16, seed=0):
@@ -312,7 +326,8 @@ def _short(cfg):
             + (f" bwd-w{cfg.bwd_num_warps}" if cfg.bwd_num_warps else "")
             + (" prefetch-bc" if cfg.prefetch_bc else "")
             + (" hide-align" if cfg.hide_channel_alignment else "")
-            + (" reuse-decay" if cfg.bwd_reuse_decay else ""))
+            + (" reuse-decay" if cfg.bwd_reuse_decay else "")
+            + (f" parallel-fwd w{cfg.parallel_num_warps}" if cfg.fwd_parallel else ""))
 
 
 if __name__ == "__main__":

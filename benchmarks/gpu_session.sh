@@ -5,7 +5,7 @@
 #                                                  e2e1 e2e3 e2e1_old e2e3_old remat1 noguard1 soak decode dp2
 #                                                  anchors_build side_ops side_train side_long e2e1_prof e2e3p e2e1_long
 #                                                  mixer_bench scan_sweep e2e1_dump e2e3_dump (profile + optimized HLO)
-#                                                  conv_bench tests_m1
+#                                                  conv_bench tests_m1 scan_parallel
 # anchors_* / side_*: the official kernels and PyTorch model (the anchors folder copied to .anchors, carried):
 # anchors_build starts their CUDA build in the background (~7 min), side_* wait for it.
 #                                                  (default: the list in `stages=` below)
@@ -67,6 +67,7 @@ for s in $stages; do case $s in
   e2e1_prof)   run e2e_mamba1_profile 170 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --profile 3 ;;
   mixer_bench) run mamba1_mixer_bench 200 python3 benchmarks/bench_mamba1_mixer.py ;;
   scan_sweep)  run scan_sweep_sub_chunk 240 python3 benchmarks/bench_selective_scan.py --sweep --sweep-set sub-chunk --shapes b8t2048 --impls pallas --iters 10 ;;
+  scan_parallel) run scan_sweep_parallel 240 python3 benchmarks/bench_selective_scan.py --sweep --sweep-set parallel --shapes b8t2048 --impls pallas --iters 10 ;;
   e2e3p)       run e2e_mamba3 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 ;;
   e2e1_dump)   run e2e_mamba1_profile 200 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 6 --warmup 2 --profile 3 --xla-dump /tmp/hlo1 ;
                pack_hlo /tmp/hlo1 "$OUT/hlo_mamba1.txt.gz" ;;

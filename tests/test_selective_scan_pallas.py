@@ -193,6 +193,22 @@ def test_reusing_the_forward_walks_decays_is_bit_identical(sub):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.parametrize("shape,dtype,with_reset", [
+    ((2, 37, 8, 5, 1), jnp.float32, True),       # time padding, resets
+    ((2, 64, 16, 4, 2), jnp.bfloat16, False),     # groups
+], ids=["f32-padding-resets", "bf16-groups"])
+def test_the_parallel_forward_matches_the_serial_one(shape, dtype, with_reset):
+    """`fwd_parallel` (a parallel prefix over time per state index) gives the serial kernel's outputs up
+    to rounding (the scan's tree order), and the same final state (both come from the same summaries)."""
+    args, reset = make_inputs(shape, dtype, with_reset=with_reset)
+    base = ScanBlockConfig(block_d=4, chunk=16, fwd_unroll=2, bwd_sub_chunk=2)
+    kw = {k: args[k] for k in NAMES}
+    y_s, h_s = _pallas(base)(**kw, reset=reset, delta_softplus=True)
+    y_p, h_p = _pallas(dataclasses.replace(base, fwd_parallel=True))(**kw, reset=reset, delta_softplus=True)
+    assert_close("out", y_p, y_s, 2e-6 if dtype == jnp.float32 else 1e-2)
+    np.testing.assert_array_equal(np.asarray(h_p), np.asarray(h_s))
+
+
 # ------------------------------------------------------------------------------- abstract H200 lowering
 def _lower_for_h200(shape, dtype, config, *, with_reset):
     """Traces forward+backward and lowers it for an abstract H200: runs the Pallas->Triton lowering."""
@@ -219,7 +235,8 @@ def _lower_for_h200(shape, dtype, config, *, with_reset):
     ((8, 2048, 1536, 16, 1), jnp.bfloat16, None, False),                 # the benchmark shape, default config
     ((2, 70, 12, 5, 2), jnp.float32, TINY, True),                           # padding, groups, resets
     ((8, 2048, 1536, 16, 1), jnp.bfloat16, ScanBlockConfig(bwd_reuse_decay=False), False),
-], ids=["perf-shape-default", "odd-shape-reset", "perf-shape-no-reuse-decay"])
+    ((8, 2048, 1536, 16, 1), jnp.bfloat16, ScanBlockConfig(fwd_parallel=True), True),
+], ids=["perf-shape-default", "odd-shape-reset", "perf-shape-no-reuse-decay", "perf-shape-parallel-forward"])
 def test_kernels_lower_to_triton_for_h200(shape, dtype, config, with_reset):
     text = _lower_for_h200(shape, dtype, config, with_reset=with_reset)
     # forward: summaries, combine, outputs; backward: adjoint summaries, adjoint combine, gradients

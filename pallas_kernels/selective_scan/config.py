@@ -45,6 +45,9 @@ class ScanBlockConfig:
         for the reverse walk (bwd_sub_chunk more [n, block_d] tiles in registers, one exp2 per
         element instead of two). Bit-identical results either way; on since the 2026-12-01 session-13
         timing (fwd+bwd 2.88 vs 3.15 ms at B=8 T=2048 in the op sweep).
+      fwd_parallel: the forward's chunk-outputs pass as a parallel prefix over time
+        (forward_parallel.py) instead of a serial walk per lane; off until timed on the GPU.
+      parallel_num_warps: Triton warps of that kernel (its [chunk, block_d] tiles are spread over them).
     """
 
     # Defaults: the best fwd+bwd of the 2026-11-30 H200 sweeps, bwd_sub_chunk from the 2026-12-01
@@ -60,9 +63,12 @@ class ScanBlockConfig:
     prefetch_bc: bool = False
     hide_channel_alignment: bool = True
     bwd_reuse_decay: bool = True
+    fwd_parallel: bool = False
+    parallel_num_warps: int = 4
 
     def validate(self) -> "ScanBlockConfig":
-        for name in ("block_d", "fwd_unroll", "bwd_sub_chunk", "num_warps", "bwd_block_d", "bwd_num_warps"):
+        for name in ("block_d", "fwd_unroll", "bwd_sub_chunk", "num_warps", "bwd_block_d", "bwd_num_warps",
+                     "parallel_num_warps"):
             v = getattr(self, name)
             if v is None and name.startswith("bwd_") and name != "bwd_sub_chunk":
                 continue
@@ -74,7 +80,7 @@ class ScanBlockConfig:
             if self.chunk % getattr(self, name):
                 raise ValueError(f"ScanBlockConfig.chunk ({self.chunk}) must be a multiple of {name} "
                                  f"({getattr(self, name)})")
-        for name in ("prefetch_bc", "hide_channel_alignment", "bwd_reuse_decay"):
+        for name in ("prefetch_bc", "hide_channel_alignment", "bwd_reuse_decay", "fwd_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ScanBlockConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:

@@ -184,7 +184,11 @@ def _scan_forward(problem, u, delta, A_t, B, C, D, z, bias, h0, keep):
     local_end, delta_sums = forward.chunk_summaries(problem, ops)
     starts, last = combine.chunk_states(problem, ops["A_t"], local_end, delta_sums, _keep_per_chunk(problem, keep), h0,
                                         reverse=False)
-    out = forward.chunk_outputs(problem, ops, starts)
+    if problem.config.fwd_parallel:
+        from pallas_kernels.selective_scan.forward_parallel import chunk_outputs_parallel
+        out = chunk_outputs_parallel(problem, ops, starts)
+    else:
+        out = forward.chunk_outputs(problem, ops, starts)
     return out, last, (starts, delta_sums)
 
 
