@@ -407,6 +407,30 @@ def test_gpu_values_and_every_cotangent_are_as_close_to_float32_as_the_reference
 
 
 @pytest.mark.gpu
+def test_gpu_packed_xz_matches_its_two_halves_at_the_benchmark_width():
+    """The mixer's call (packed xz: the conv and the scan read the halves in place, dxz written packed)
+    against the two-array call, on the H200: outputs, states and every cotangent."""
+    from helpers import rel_err
+    args, state, reset = make_inputs(2, 2048, 1536, 16, 48, 4, jnp.bfloat16, reset="positions")
+    e = 1536
+    present = tuple(n_ for n_ in ARG_NAMES if args[n_] is not None and n_ not in ("x", "z"))
+
+    def loss(xz, vals, st, packed):
+        full = dict(args, **dict(zip(present, vals)))
+        full.update(x=xz, z=None) if packed else full.update(x=xz[..., :e], z=xz[..., e:])
+        y, s2 = mamba1_mixer_core(*(full[n_] for n_ in ARG_NAMES), initial_state=st, return_final_state=True,
+                                  reset=reset, implementation="pallas", xz_packed=packed)
+        yf = y.astype(jnp.float32)
+        return jnp.sum(yf * jnp.cos(yf)) + 0.7 * jnp.sum(jnp.sin(s2.conv)) + jnp.sum(jnp.tanh(s2.ssm))
+
+    xz = jnp.concatenate([args["x"], args["z"]], axis=-1)
+    vals = tuple(args[n_] for n_ in present)
+    run_ = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    for a, b in zip(jax.tree.leaves(run_(xz, vals, state, True)), jax.tree.leaves(run_(xz, vals, state, False))):
+        assert rel_err(a, b) <= 1e-6, rel_err(a, b)
+
+
+@pytest.mark.gpu
 def test_gpu_reruns_are_bit_identical_at_the_benchmark_shape():
     args, state, reset = make_inputs(8, 2048, 1536, 16, 48, 4, jnp.bfloat16)
     first = _loss_and_grads("pallas", args, state, reset)

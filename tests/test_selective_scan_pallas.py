@@ -209,6 +209,31 @@ def test_the_parallel_forward_matches_the_serial_one(shape, dtype, with_reset):
     np.testing.assert_array_equal(np.asarray(h_p), np.asarray(h_s))
 
 
+@pytest.mark.parametrize("offset", [8, 6], ids=["block-aligned-in-place", "unaligned-sliced"])
+def test_a_gate_read_from_a_wider_array_gives_the_same_values_and_cotangents(offset):
+    """selective_scan_forward / _backward with z inside a wider array (`z_channel_offset`): the
+    block-aligned offset is read in place, another is sliced out; both equal the plain call bit for bit,
+    and dz comes back [Bt, T, d]."""
+    from pallas_kernels.selective_scan import selective_scan_backward, selective_scan_forward
+    args, reset = make_inputs((2, 21, 8, 3, 1), jnp.float32, with_reset=True)
+    cfg = ScanBlockConfig(block_d=4, chunk=8, fwd_unroll=2, bwd_sub_chunk=2)
+    z = args["z"]
+    wide = jnp.concatenate([jnp.full(z.shape[:2] + (offset,), 7.0), z, jnp.full(z.shape[:2] + (3,), -7.0)], -1)
+    pos = [args[k] for k in ("u", "delta", "A", "B", "C", "D")]
+    rest = [args["delta_bias"], args["initial_state"], reset]
+    d_out, d_last = cotangents(args)
+    kw = dict(delta_softplus=True, config=cfg, interpret=True)
+    plain = selective_scan_forward(*pos, z, *rest, **kw)
+    in_wide = selective_scan_forward(*pos, wide, *rest, z_channel_offset=offset, **kw)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(in_wide)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    g_plain = selective_scan_backward(*pos, z, *rest, plain[2], d_out, d_last, **kw)
+    g_wide = selective_scan_backward(*pos, wide, *rest, in_wide[2], d_out, d_last, z_channel_offset=offset, **kw)
+    assert g_wide[6].shape == z.shape
+    for a, b in zip(g_plain, g_wide):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # ------------------------------------------------------------------------------- abstract H200 lowering
 def _lower_for_h200(shape, dtype, config, *, with_reset):
     """Traces forward+backward and lowers it for an abstract H200: runs the Pallas->Triton lowering."""

@@ -122,6 +122,8 @@ class ScanProblem:
       softplus: apply the thresholded softplus to delta + delta_bias.
       config: the (fitted) block configuration.
       interpret: run the kernels with the Pallas interpreter (CPU tests).
+      z_offset: the gate's first channel in the z array (0: z is [Bt, T, d]; > 0: z is a wider array,
+        e.g. in_proj's packed x | z output read in place; a multiple of both channel blocks).
     """
 
     seqlen: int
@@ -136,6 +138,7 @@ class ScanProblem:
     softplus: bool
     config: ScanBlockConfig
     interpret: bool = False
+    z_offset: int = 0
 
     @property
     def n_chunks(self) -> int:

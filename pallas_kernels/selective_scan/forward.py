@@ -37,7 +37,7 @@ def common_inputs(problem: ScanProblem, grid, ops: dict, names) -> list:
     specs = {
         "u": grid.rows(cfg.chunk, cfg.block_d),
         "delta": grid.rows(cfg.chunk, cfg.block_d),
-        "z": grid.rows(cfg.chunk, cfg.block_d),
+        "z": grid.rows(cfg.chunk, cfg.block_d, problem.z_offset // cfg.block_d),
         "d_out": grid.rows(cfg.chunk, cfg.block_d),
         "B": grid.group_rows(cfg.chunk, cfg.block_d, problem.n, problem.group_size),
         "C": grid.group_rows(cfg.chunk, cfg.block_d, problem.n, problem.group_size),

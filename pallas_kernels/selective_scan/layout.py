@@ -58,8 +58,11 @@ class ProgramGrid:
         return self.flat.coordinate(p, 0)
 
     # ---- block specs (index maps get the flat program id)
-    def rows(self, chunk, block_d):
-        return pl.BlockSpec((None, chunk, block_d), lambda p: (self.row(p), self.chunk(p), self.block(p)))
+    def rows(self, chunk, block_d, offset_blocks=0):
+        """[chunk, block_d] rows; `offset_blocks` shifts the channel block (a gate read in place from
+        a wider array)."""
+        return pl.BlockSpec((None, chunk, block_d),
+                            lambda p: (self.row(p), self.chunk(p), self.block(p) + offset_blocks))
 
     def group_rows(self, chunk, block_d, n, group_size):
         # A channel block never straddles two groups (block_d divides group_size).

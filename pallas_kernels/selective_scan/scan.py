@@ -90,19 +90,23 @@ def unpadded_outputs(problem: ScanProblem, out, last, n):
 
 
 def selective_scan_forward(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, *, delta_softplus,
-                           config: ScanBlockConfig | None = None, interpret: bool = False):
+                           config: ScanBlockConfig | None = None, interpret: bool = False, z_channel_offset=0):
     """`selective_scan_pallas`'s forward, also returning what `selective_scan_backward` needs.
 
     For ops that wrap the scan in their own `custom_vjp` (e.g. the fused Mamba-1 mixer core, which
     recomputes u and delta in its backward instead of saving them). Same arguments as
-    `selective_scan_pallas`.
+    `selective_scan_pallas`, and `z_channel_offset`: z may be a wider [Bt, T, C] array whose channels
+    [offset, offset + d) are the gate (in_proj's packed x | z output, offset = d): the kernels read it
+    in place when the offset is a multiple of the channel blocks, else a slice is taken.
 
     Returns:
       (out [Bt, T, d] in u.dtype, final_state [Bt, d, n] f32, residuals): residuals is a tuple of
       arrays (chunk-start states [Bt, nc, n_pad, d] f32, δ sums [Bt, nc, d] f32), nothing per position.
     """
     problem = make_problem(u, A, B, D, z, delta_bias, reset, delta_softplus=delta_softplus, config=config,
-                           interpret=interpret)
+                           interpret=interpret, z_offset=z_channel_offset)
+    if z is not None and z_channel_offset and not problem.z_offset:
+        z = z[..., z_channel_offset:z_channel_offset + u.shape[-1]]
     operands = padded_operands(problem, u, delta, A, B, C, D, z, delta_bias, initial_state, reset)
     out, last, residuals = _scan_forward(problem, *operands)
     return unpadded_outputs(problem, out, last, A.shape[1]) + (residuals,)
@@ -110,7 +114,7 @@ def selective_scan_forward(u, delta, A, B, C, D, z, delta_bias, initial_state, r
 
 def selective_scan_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, residuals, d_out,
                             d_final_state, *, delta_softplus, config: ScanBlockConfig | None = None,
-                            interpret: bool = False):
+                            interpret: bool = False, z_channel_offset=0):
     """Cotangents of `selective_scan_forward` from its residuals (the same kernels as the custom_vjp).
 
     Args:
@@ -120,35 +124,57 @@ def selective_scan_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, 
 
     Returns:
       (du, d_delta, dA, dB, dC, dD, dz, d_delta_bias, d_initial_state), each like its argument
-      (None where the argument is None).
+      (None where the argument is None); with `z_channel_offset`, dz is [Bt, T, d] (the gate's
+      cotangent only, not one shaped like the wider z array).
     """
     problem = make_problem(u, A, B, D, z, delta_bias, reset, delta_softplus=delta_softplus, config=config,
-                           interpret=interpret)
-    n = A.shape[1]
+                           interpret=interpret, z_offset=z_channel_offset)
+    if z is not None and z_channel_offset and not problem.z_offset:
+        z = z[..., z_channel_offset:z_channel_offset + u.shape[-1]]
+    in_place = bool(problem.z_offset)
 
     def diff_operands(u, delta, A, B, C, D, z, delta_bias, initial_state):
         return padded_operands(problem, u, delta, A, B, C, D, z, delta_bias, initial_state, None)[:9]
 
-    operands, operands_vjp = jax.vjp(diff_operands, u, delta, A, B, C, D, z, delta_bias, initial_state)
+    # A gate read in place is not differentiated through the padding: its cotangent is the kernel's dz.
+    operands, operands_vjp = jax.vjp(diff_operands, u, delta, A, B, C, D, None if in_place else z, delta_bias,
+                                     initial_state)
+    if in_place:
+        operands = operands[:6] + (pad_axis_to(z, 1, problem.padded_seqlen),) + operands[7:]
     d_out_p = pad_axis_to(d_out, 1, problem.padded_seqlen)
     d_last = jnp.swapaxes(pad_axis_to(d_final_state.astype(F32), 2, problem.n), 1, 2)
     cot = _scan_bwd(problem, operands[:8] + (padded_keep(problem, reset),) + tuple(residuals), (d_out_p, d_last))
     cot = tuple(None if c is None else c.astype(o.dtype) for c, o in zip(cot[:9], operands))
-    return operands_vjp(cot)
+    if not in_place:
+        return operands_vjp(cot)
+    grads = operands_vjp(cot[:6] + (None,) + cot[7:])
+    return grads[:6] + (cot[6][:, :problem.seqlen],) + grads[7:]
 
 
-def make_problem(u, A, B, D, z, delta_bias, reset, *, delta_softplus, config=None, interpret=False) -> ScanProblem:
-    """The static plan of a call: the config fitted to its shape, padded sizes, optional inputs."""
+def make_problem(u, A, B, D, z, delta_bias, reset, *, delta_softplus, config=None, interpret=False,
+                 z_offset=0) -> ScanProblem:
+    """The static plan of a call: the config fitted to its shape, padded sizes, optional inputs.
+    `z_offset` is kept only when z is wide enough and it is a multiple of both channel blocks (else 0:
+    the caller slices the gate out)."""
     if config is not None and not isinstance(config, ScanBlockConfig):
         raise TypeError(f"config must be a ScanBlockConfig or None, got {type(config).__name__}")
     _, seqlen, d = u.shape
     n = A.shape[1]
     groups = B.shape[2]
     cfg = (config or DEFAULT_CONFIG).validate().fitted(seqlen, d, d // groups)
+    if z is not None and z_offset:
+        if z.shape[:2] != u.shape[:2] or z.shape[-1] < z_offset + d:
+            raise ValueError(f"z of shape {z.shape} has no channels [{z_offset}, {z_offset + d}) for u of "
+                             f"shape {u.shape}")
+        if z_offset % cfg.block_d or z_offset % cfg.for_backward().block_d:
+            z_offset = 0
+    else:
+        z_offset = 0
     return ScanProblem(
         seqlen=seqlen, padded_seqlen=round_up(seqlen, cfg.chunk), d=d, n=next_power_of_2(n),
         group_size=d // groups, has_z=z is not None, has_D=D is not None, has_bias=delta_bias is not None,
-        has_reset=reset is not None, softplus=bool(delta_softplus), config=cfg, interpret=interpret)
+        has_reset=reset is not None, softplus=bool(delta_softplus), config=cfg, interpret=interpret,
+        z_offset=int(z_offset))
 
 
 def _keep_per_chunk(problem: ScanProblem, keep):

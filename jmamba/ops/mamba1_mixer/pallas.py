@@ -4,7 +4,8 @@ conv + SiLU and the selective scan, with the two small projections between them 
 Forward: u = silu(conv(x̃) + bias) by the conv kernel (`pallas_kernels.causal_conv.conv_silu_forward`,
 reading x in place from in_proj's packed [Bt, T, 2E] output when the op is called with
 `xz_packed=True`), the x / Δ projections (two matmuls), then the scan's forward kernels
-(`pallas_kernels.selective_scan.selective_scan_forward`).
+(`pallas_kernels.selective_scan.selective_scan_forward`, which read the gate z in place from the
+packed array too: `z_channel_offset`).
 Saved for the backward: the op's inputs (x or the packed xz, z, weights, states, reset) and the scan's
 chunk-start states and δ sums ([Bt, T/chunk, ...], nothing per position). The conv output, u, delta,
 B and C are **not** saved: the backward recomputes u with the conv kernel and delta, B, C with the two
@@ -86,23 +87,24 @@ def _core_conv_kernel(static, src, z, conv_kernel, conv_bias, x_proj_kernel, dt_
 
 
 def _split(src, z, conv_kernel, packed):
-    """(x, z) views of the op's input: the packed array's halves, or the arrays themselves."""
+    """(x, gate array, the gate's channel offset in it): the packed array's first half and the packed
+    array itself with offset E (the scan kernels read the gate in place), or the arrays themselves."""
     if not packed:
-        return src, z
+        return src, z, 0
     e = conv_kernel.shape[1]
-    return src[..., :e], src[..., e:]
+    return src[..., :e], src, e
 
 
 def _core_conv_kernel_fwd(static, src, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A,
                           D, conv_state, ssm_state, reset):
     config, interpret, packed = static
-    x, gate = _split(src, z, conv_kernel, packed)
+    x, gate, gate_offset = _split(src, z, conv_kernel, packed)
     u = _conv_kernels().conv_silu_forward(src, conv_state, conv_kernel, conv_bias, reset,
                                           config=_conv_config(interpret), interpret=interpret)
     delta, Bm, Cm = projections(u, x_proj_kernel, dt_proj_kernel)
     y, h_last, scan_residuals = _kernels().selective_scan_forward(
         u, delta, A, Bm, Cm, D, gate, dt_bias, ssm_state, reset, delta_softplus=True, config=config,
-        interpret=interpret)
+        interpret=interpret, z_channel_offset=gate_offset)
     new_conv = conv_new_state(x, conv_state, reset, conv_kernel.shape[0], accum_dtype(x.dtype, conv_kernel.dtype))
     residuals = (src, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A, D, conv_state,
                  ssm_state, reset, scan_residuals)
@@ -115,14 +117,14 @@ def _core_conv_kernel_bwd(static, residuals, cotangents):
      scan_residuals) = residuals
     d_y, d_new_conv, d_h_last = cotangents
     k_size = conv_kernel.shape[0]
-    _, gate = _split(src, z, conv_kernel, packed)
+    _, gate, gate_offset = _split(src, z, conv_kernel, packed)
     conv = _conv_kernels()
     u = conv.conv_silu_forward(src, conv_state, conv_kernel, conv_bias, reset, config=_conv_config(interpret),
                                interpret=interpret)
     (delta, Bm, Cm), projections_vjp = jax.vjp(projections, u, x_proj_kernel, dt_proj_kernel)
     du, d_delta, dA, dB, dC, dD, dz, d_dt_bias, d_ssm = _kernels().selective_scan_backward(
         u, delta, A, Bm, Cm, D, gate, dt_bias, ssm_state, reset, scan_residuals, d_y, d_h_last,
-        delta_softplus=True, config=config, interpret=interpret)
+        delta_softplus=True, config=config, interpret=interpret, z_channel_offset=gate_offset)
     du_proj, d_x_proj, d_dt_proj = projections_vjp((d_delta, dB, dC))
     # The new state is x's last K-1 rows (T >= K-1 on this path): the kernel adds its cotangent to dx.
     keep = new_state_keep(reset, k_size)
