@@ -17,11 +17,13 @@ SLOW_FILES_FIRST = (
     "test_training_system.py",      # ~120 s
     "test_checkpoint.py",           # ~85 s: subprocesses
     "test_lm_generate.py",          # ~55 s: the main job
+    "test_mamba1_mixer_core.py",    # ~85 s: the Pallas interpreter (scan + conv kernels)
     "test_mamba1_backbone.py",
     "test_benchmarks_smoke.py",
     "test_examples.py",
     "test_mamba3_backbone.py",
     "test_selective_scan_pallas.py",
+    "test_causal_conv_pallas.py",   # ~45 s: the Pallas interpreter
     "test_selective_scan.py",       # ~30 s
 )
 

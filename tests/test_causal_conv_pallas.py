@@ -53,7 +53,6 @@ def kernel_d_new(d_new, reset, k):
 
 CASES = [
     # (Bt, T, E, K), dtype, packed, reset, config, tolerance
-    ((2, 37, 8, 4), jnp.float32, False, False, ConvBlockConfig(block_t=8, block_e=4), 2e-6),
     ((2, 37, 8, 4), jnp.float32, True, True, ConvBlockConfig(block_t=8, block_e=4), 2e-6),
     ((3, 16, 12, 3), jnp.bfloat16, True, True, ConvBlockConfig(block_t=4, block_e=8), 1e-2),
     ((1, 5, 4, 4), jnp.float16, False, True, ConvBlockConfig(block_t=4, block_e=2), 2e-3),
@@ -63,7 +62,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("shape,dtype,packed,reset,config,tol", CASES,
-                         ids=["f32", "f32-packed-resets", "bf16-K3", "f16-short", "f32-K1", "bf16-defaults"])
+                         ids=["f32-packed-resets", "bf16-K3", "f16-short", "f32-K1", "bf16-defaults"])
 def test_values_and_every_cotangent_match_the_xla_conv(shape, dtype, packed, reset, config, tol):
     bt, seqlen, e, k = shape
     src, state, kernel, bias, rs, du_a, du_b, dz = make(bt, seqlen, e, k, dtype, packed=packed, reset=reset)

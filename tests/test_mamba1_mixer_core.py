@@ -254,7 +254,7 @@ def test_pallas_backward_saves_no_per_position_activation_but_x_and_z():
 
 
 def test_reruns_are_bit_identical():
-    args, state, reset = make_inputs(2, 37, 16, 4, 3, 4, jnp.bfloat16, reset="positions")
+    args, state, reset = make_inputs(1, 19, 8, 4, 3, 4, jnp.bfloat16, reset="positions")
     first = _loss_and_grads("pallas", args, state, reset)
     second = _loss_and_grads("pallas", args, state, reset)
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
