@@ -43,8 +43,8 @@ class ScanBlockConfig:
         (within the ~10% run-to-run spread), the default is on because the tables were measured so.
       bwd_reuse_decay: the gradients kernel keeps the decays ā of its forward walk over a sub-chunk
         for the reverse walk (bwd_sub_chunk more [n, block_d] tiles in registers, one exp2 per
-        element instead of two). Bit-identical results either way; on since the 2026-12-01 session-13
-        timing (fwd+bwd 2.88 vs 3.15 ms at B=8 T=2048 in the op sweep).
+        element instead of two). Bit-identical results either way; on since 2026-12-01 (op sweep fwd+bwd
+        2.88 vs 3.15 ms at B=8 T=2048, within the ~10% spread; no measurable change in the train step).
       fwd_parallel: the forward's chunk-outputs pass as a parallel prefix over time
         (forward_parallel.py) instead of a serial walk per lane; off until timed on the GPU.
       parallel_num_warps: Triton warps of that kernel (its [chunk, block_d] tiles are spread over them).

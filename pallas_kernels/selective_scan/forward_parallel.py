@@ -15,7 +15,7 @@ order and y accumulates over k in order, so results differ from the serial kerne
 
 Status (2026-12-01): matches the serial kernel under the CPU interpreter and lowers for an abstract
 H200 (tests/test_selective_scan_pallas.py); **not yet run or timed on the GPU** — off by default,
-`bash benchmarks/gpu_session.sh scan_sweep` times it (`--sweep-set parallel`).
+`bash benchmarks/gpu_session.sh scan_parallel` times it (`--sweep-set parallel`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common.affine_scan import affine_scan
 from pallas_kernels.common.dtypes import F32
-from pallas_kernels.common.launch import run_kernel
+from pallas_kernels.selective_scan import layout
 from pallas_kernels.selective_scan.channels import ChannelAccess
 from pallas_kernels.selective_scan.config import ScanProblem
 from pallas_kernels.selective_scan.forward import common_inputs
@@ -69,12 +69,10 @@ def chunk_outputs_parallel(problem: ScanProblem, ops: dict, chunk_start_states):
             y = y * (z * sigmoid(z))
         acc.store("out", y)
 
-    inputs = (common_inputs(problem, grid, ops, ("u", "delta", "z", "B", "C", "A_t", "D", "bias", "keep"))
-              + [("H", chunk_start_states, grid.chunk_state(n, bd))])
-    inputs = [i for i in inputs if i[1] is not None]
-    out = run_kernel(body, grid=grid.size, inputs=inputs,
-                     outputs=[("out", jax.ShapeDtypeStruct((bsz, problem.padded_seqlen, d), ops["u"].dtype),
-                               grid.rows(chunk, bd))],
-                     name="selective_scan_fwd_chunk_outputs_parallel", num_warps=cfg.parallel_num_warps,
-                     num_stages=cfg.num_stages, interpret=problem.interpret)
+    out = layout.launch(
+        body, problem, grid,
+        common_inputs(problem, grid, ops, ("u", "delta", "z", "B", "C", "A_t", "D", "bias", "keep"))
+        + [("H", chunk_start_states, grid.chunk_state(n, bd))],
+        [("out", jax.ShapeDtypeStruct((bsz, problem.padded_seqlen, d), ops["u"].dtype), grid.rows(chunk, bd))],
+        "selective_scan_fwd_chunk_outputs_parallel", num_warps=cfg.parallel_num_warps)
     return out["out"]

@@ -114,13 +114,13 @@ class ProgramGrid:
         return pl.BlockSpec((None, n, block_d), lambda p: (self.row(p), 0, self.block(p)))
 
 
-def launch(body, problem, grid: ProgramGrid, inputs, outputs, name):
+def launch(body, problem, grid: ProgramGrid, inputs, outputs, name, num_warps=None):
     """`common.launch.run_kernel` over `grid` with the problem's launch parameters: the (fitted,
-    forward or backward) config's `num_warps` / `num_stages` and the interpret flag.
+    forward or backward) config's `num_warps` (unless given) / `num_stages` and the interpret flag.
 
     inputs: (name, array, BlockSpec); outputs: (name, ShapeDtypeStruct, BlockSpec). Returns the outputs
     by name.
     """
     cfg = problem.config
-    return run_kernel(body, grid=grid.size, inputs=inputs, outputs=outputs, name=name, num_warps=cfg.num_warps,
-                      num_stages=cfg.num_stages, interpret=problem.interpret)
+    return run_kernel(body, grid=grid.size, inputs=inputs, outputs=outputs, name=name,
+                      num_warps=num_warps or cfg.num_warps, num_stages=cfg.num_stages, interpret=problem.interpret)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 
 import jax
-
 import jax.numpy as jnp
 
 from jmamba.core.dtypes import accum_dtype
