@@ -5,7 +5,8 @@
 #                                                  e2e1 e2e3 e2e1_old e2e3_old remat1 noguard1 soak decode dp2
 #                                                  anchors_build side_ops side_train side_long e2e1_prof e2e3p e2e1_long
 #                                                  mixer_bench scan_sweep e2e1_dump e2e3_dump (profile + optimized HLO)
-#                                                  conv_bench tests_m1 scan_parallel
+#                                                  conv_bench tests_m1 scan_parallel e2e3_prof gpu_auto
+#                                                  e2e1_nocb e2e1_cb (command buffers off / widened, XLA_FLAGS)
 # anchors_* / side_*: the official kernels and PyTorch model (the anchors folder copied to .anchors, carried):
 # anchors_build starts their CUDA build in the background (~7 min), side_* wait for it.
 #                                                  (default: the list in `stages=` below)
@@ -41,7 +42,7 @@ pack_hlo() {  # dump dir, out file: the largest optimized module (the train step
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1; cat "$OUT/gpu.txt"
 OPT=fused
 for s in $stages; do case $s in
-  tests)       run gpu_tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ ;;
+  tests)       run gpu_tests 360 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ ;;
   m3_tests)    run m3_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py ;;
   m3_profile)  run m3_profile 60 python3 benchmarks/profile_kernels.py mamba3 --iters 10 ;;
   m3_bench)    run m3_bench 300 python3 benchmarks/bench_mamba3_scan.py --ref-iters 3 --sweep --breakdown ;;
@@ -75,6 +76,10 @@ for s in $stages; do case $s in
                pack_hlo /tmp/hlo3 "$OUT/hlo_mamba3.txt.gz" ;;
   conv_bench)  run causal_conv_bench 150 python3 benchmarks/bench_causal_conv.py ;;
   tests_m1)    run gpu_tests_mamba1 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_causal_conv_pallas.py tests/test_mamba1_mixer_core.py tests/test_selective_scan_pallas.py ;;
+  e2e3_prof)   run e2e_mamba3_profile 170 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --profile 3 ;;
+  e2e1_nocb)   XLA_FLAGS="--xla_gpu_enable_command_buffer=" run e2e_mamba1_no_command_buffers 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 ;;
+  e2e1_cb)     XLA_FLAGS="--xla_gpu_enable_command_buffer=+CUSTOM_CALL,+CUBLASLT,+CUBLAS,+FUSION --xla_gpu_graph_min_graph_size=1" run e2e_mamba1_more_command_buffers 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 ;;
+  gpu_auto)    run gpu_tests_auto 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_selective_scan_pallas.py -k automatic_choice ;;
   e2e1_long)   run e2e_mamba1_long 170 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 5 --warmup 2 --batch-size 1 --seq-len 65536 ;;
 esac; done
 echo "=== done ==="

@@ -1,7 +1,8 @@
 """`Mamba3Mixer`: one Mamba-3 SISO mixer layer, no residual and no norm (docs/mamba3_siso.md §3.2).
 
     proj = x · W_in                                   [Bt, T, 2Di + 2GN + 3H + S]
-    z, xv, B, C, dd_dt, dd_A, trap, angles = split(proj)          (this order)
+    z, xv, B, C, dd_dt, dd_A, trap, angles = split(proj)          (this order; computed as three
+                                                       matmuls: z, xv and the rest, see _project)
     A    = min(−φ(dd_A), −A_floor),  φ(u) = 1 + u (u >= 0), 1/(1 − u) (u < 0)
     DT   = softplus(dd_dt + dt_bias),  ADT = A·DT                  [Bt, T, H]
     B̂, Ĉ = RMSNorm_N(B)·w_B, RMSNorm_N(C)·w_C                      [Bt, T, G, N]
@@ -89,10 +90,14 @@ class Mamba3Mixer(nnx.Module):
         cfg = self.config
         Di, H, P, G, N = cfg.d_inner, cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
         acc = accum_dtype(x.dtype, self.dt_bias.dtype)
-        proj = self.in_proj(x)
-        bounds = [Di, 2 * Di, 2 * Di + G * N, 2 * Di + 2 * G * N, 2 * Di + 2 * G * N + H,
-                  2 * Di + 2 * G * N + 2 * H, 2 * Di + 2 * G * N + 3 * H]
-        z, xv, B, C, dd_dt, dd_A, trap, angles = jnp.split(proj, bounds, axis=-1)
+        # in_proj as three matmuls over column slices of its one kernel: z and xv ([.., Di] each) are
+        # then contiguous arrays the scan kernels read as they are, and their cotangents feed the
+        # backward matmuls directly (slicing one packed [.., in_proj_dim] product made XLA copy z and xv
+        # out of it forward and concatenate all eight cotangents back into it backward).
+        w = self.in_proj.kernel[...].astype(x.dtype)
+        z, xv, rest = (jnp.dot(x, w[:, lo:hi]) for lo, hi in ((0, Di), (Di, 2 * Di), (2 * Di, None)))
+        bounds = [G * N, 2 * G * N, 2 * G * N + H, 2 * G * N + 2 * H, 2 * G * N + 3 * H]
+        B, C, dd_dt, dd_A, trap, angles = jnp.split(rest, bounds, axis=-1)
         lead = x.shape[:-1]
         A = jnp.minimum(-heavy_tail(dd_A.astype(acc)), -cfg.A_floor)
         DT = ops.softplus_thresholded(dd_dt.astype(acc) + self.dt_bias[...].astype(acc))

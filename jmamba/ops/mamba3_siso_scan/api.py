@@ -22,7 +22,7 @@ Implementation contract (what "reference", "xla" and "pallas" register with `dis
 
 with arguments validated and normalized once here (`normalize_arguments`): Q, K [Bt, T, G, N];
 V [Bt, T, H, P]; ADT, DT, Trap [Bt, T, H] (ADT = A·DT < 0, DT > 0, Trap the raw logit; any float
-dtype); Q_bias, K_bias [H, N]; Angles [Bt, T, H, S] raw (pre-tanh), S <= N/2; D [H] or None;
+dtype); Q_bias, K_bias [H, N]; Angles [Bt, T, H or 1, S] raw (pre-tanh; 1: shared by the heads), S <= N/2; D [H] or None;
 z [Bt, T, H, P] or None; initial_state None (all zeros) or a `Mamba3ScanState` (angle [Bt, H, S],
 ssm [Bt, H, P, N], k [Bt, H, N], v [Bt, H, P]); reset None or a [Bt, T] bool mask (True at t: all
 four states entering t are zero, so the row restarts as a fresh sequence there); tuning a
@@ -137,12 +137,17 @@ def normalize_arguments(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, z, in
 
 
 def per_head_angles(Angles, lead, H, N):
-    """Checks raw angles ([*lead, S] shared by the heads, or [*lead, H, S]); returns [*lead, H, S]."""
+    """Checks raw angles ([*lead, S] shared by the heads, or [*lead, H, S]).
+
+    Returns [*lead, H, S], or [*lead, 1, S] for shared angles: the implementations broadcast that heads
+    axis where the angles meet DT (`angle_increment`), so tanh runs once per position and the
+    backward keeps no per-head copy of it (the Pallas path's saved tanh was [Bt, T, H, S] float32).
+    """
     check_float("Angles", Angles)
     dims = "[batch, seqlen" if len(lead) == 2 else "[batch"
     if len(shape_of(Angles)) == len(lead) + 1:
         check_array("Angles", Angles, lead + (None,), f"{dims}, num_angles]")
-        Angles = jnp.broadcast_to(Angles[..., None, :], lead + (H, shape_of(Angles)[-1]))
+        Angles = Angles[..., None, :]
     else:
         check_array("Angles", Angles, lead + (H, None),
                     f"{dims}, num_angles] or {dims}, nheads, num_angles]")

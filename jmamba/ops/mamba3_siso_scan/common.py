@@ -76,7 +76,7 @@ def rotate_pairs(x, theta):
 
 
 def angle_increment(angles, dt):
-    """π·tanh(angles_raw)·DT: the per-step RoPE angle increment. angles [..., H, S], dt [..., H]."""
+    """π·tanh(angles_raw)·DT: the per-step RoPE angle increment [..., H, S]. angles [..., H or 1, S], dt [..., H]."""
     return math.pi * jnp.tanh(angles) * dt[..., None]
 
 
