@@ -91,7 +91,7 @@ def make_optimizer(args):
 
 
 def loss_fn(logits, batch):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    return jmamba.next_token_loss(logits, batch)
 
 
 def profile_steps(step, state, batches, n):
