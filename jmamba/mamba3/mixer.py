@@ -94,8 +94,12 @@ class Mamba3Mixer(nnx.Module):
         # then contiguous arrays the scan kernels read as they are, and their cotangents feed the
         # backward matmuls directly (slicing one packed [.., in_proj_dim] product made XLA copy z and xv
         # out of it forward and concatenate all eight cotangents back into it backward).
+        # XLA's dot merger would fuse three dots that share x back into one (and the three weight
+        # gradients that share x into one over a concatenated cotangent), so each dot gets its own
+        # copy of x through an optimization barrier (no data moves).
         w = self.in_proj.kernel[...].astype(x.dtype)
-        z, xv, rest = (jnp.dot(x, w[:, lo:hi]) for lo, hi in ((0, Di), (Di, 2 * Di), (2 * Di, None)))
+        xs = jax.lax.optimization_barrier((x, x, x))
+        z, xv, rest = (jnp.dot(xi, w[:, lo:hi]) for xi, (lo, hi) in zip(xs, ((0, Di), (Di, 2 * Di), (2 * Di, None))))
         bounds = [G * N, 2 * G * N, 2 * G * N + H, 2 * G * N + 2 * H, 2 * G * N + 3 * H]
         B, C, dd_dt, dd_A, trap, angles = jnp.split(rest, bounds, axis=-1)
         lead = x.shape[:-1]
