@@ -49,7 +49,7 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
 
     Returns:
       dict with dq, dk [Bt, Tp, H, Np] float32 (gradients of the kernel's Q and K̃), dv [Bt, Tp, H, Pp]
-      (V dtype), dz (Z dtype, when Z), d_adt, d_skip [Bt, H, Tp] float32.
+      (V dtype), dz (Z dtype, when Z), d_adt, d_skip [Bt, Tp, H] float32.
     """
     grid = layout.ChunkGrid(geo)
     mm = geo.matmul_dtype
@@ -108,7 +108,7 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
 
     bsz, Tp, H, Pp, Np = geo.batch, geo.padded_seqlen, geo.heads, geo.padded_headdim, geo.padded_state
     io = jnp.dtype(geo.io_dtype)
-    seq = jax.ShapeDtypeStruct((bsz, H, Tp), F32)
+    seq = jax.ShapeDtypeStruct((bsz, Tp, H), F32)
     per_head = jax.ShapeDtypeStruct((bsz, Tp, H, Np), F32)
     outputs = {"values": [("dv", jax.ShapeDtypeStruct((bsz, Tp, H, Pp), io), grid.head_rows(Pp)),
                           ("d_skip", seq, grid.sequence())],

@@ -50,7 +50,7 @@ def chunk_outputs(geo: ScanGeometry, ops: dict, entering):
     """The chunk outputs (after the state pass): out [Bt, Tp, H, Pp] in V's dtype.
 
     Args:
-      ops: q, k [Bt, Tp, H, Np] (dot operand dtype), v, z (or None) [Bt, Tp, H, Pp], adt, skip [Bt, H, Tp].
+      ops: q, k [Bt, Tp, H, Np] (dot operand dtype), v, z (or None) [Bt, Tp, H, Pp], adt, skip [Bt, Tp, H].
       entering: [Bt, H, nc, Pp, Np] states entering each chunk.
     """
     grid = layout.ChunkGrid(geo)

@@ -46,7 +46,7 @@ def chunked_core(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc, theta_entr
       scale: [Bt, Tp, H] float32 s = γ + σ̂; inc: [Bt, Tp, H, Sp] float32 angle increments and
         theta_entry: [Bt, nc, H, Sp] float32 wrapped angle entering each chunk, or both None (no angles).
       v: [Bt, Tp, H, Pp]; z: [Bt, Tp, H, Pp] or None.
-      adt, skip: [Bt, H, Tp] float32 (ADT, D + γ⟨q̄, k̄⟩).
+      adt, skip: [Bt, Tp, H] float32 (ADT, D + γ⟨q̄, k̄⟩).
       s0: [Bt, H, Pp, Np] float32, the augmented initial state.
 
     Returns:

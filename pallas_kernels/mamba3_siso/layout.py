@@ -9,7 +9,9 @@ Layouts (HBM):
   group rows     [Bt, Tp, G, Np]      Q, K (activation dtype) and dQ, dK (float32, per head slice)
   head rows      [Bt, Tp, H, w]       w = Np: queries q, keys k̃ and their float32 gradients;
                                       w = Pp: V, Z, out, d_out, dV, dZ
-  sequences      [Bt, H, Tp]          ADT, skip D + γ⟨q̄, k̄⟩ and their gradients (float32)
+  sequences      [Bt, Tp, H]          ADT, skip D + γ⟨q̄, k̄⟩ and their gradients (float32), in the
+                                      layout of the per-position math around the kernels (a chunk's
+                                      [L] vector is a strided load): no [Bt, H, Tp] transposes
   chunk states   [Bt, H, nc, Pp, Np]  a per-chunk state: a chunk's own contribution, the state entering
                                       it (forward) or the adjoint of the state leaving it (backward)
   chunk scalars  [Bt, H, nc]          e^{Σ ADT} of each chunk (float32)
@@ -67,7 +69,7 @@ class ChunkGrid:
                             lambda p: (self.row(p), self.chunk(p), self.head(p), 0))
 
     def sequence(self):
-        return pl.BlockSpec((None, None, self.geo.chunk), lambda p: (self.row(p), self.head(p), self.chunk(p)))
+        return pl.BlockSpec((None, self.geo.chunk, None), lambda p: (self.row(p), self.chunk(p), self.head(p)))
 
     def chunk_state(self):
         return pl.BlockSpec((None, None, None, self.geo.padded_headdim, self.geo.padded_state),

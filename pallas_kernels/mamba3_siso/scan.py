@@ -120,5 +120,5 @@ def _pad_headdim(geo: ScanGeometry, x, axis=3):
 
 
 def _sequence(geo: ScanGeometry, x):
-    """[Bt, T, H] -> [Bt, H, Tp] (zero padding: ADT = 0 is the identity decay, s = skip = 0)."""
-    return jnp.transpose(_pad_time(geo, x), (0, 2, 1))
+    """[Bt, T, H] -> [Bt, Tp, H] (zero padding: ADT = 0 is the identity decay, s = skip = 0)."""
+    return _pad_time(geo, x)

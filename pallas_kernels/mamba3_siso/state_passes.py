@@ -69,9 +69,9 @@ def chunk_contributions(geo: ScanGeometry, ops: dict, *, adjoint: bool):
 
 
 def chunk_decays(geo: ScanGeometry, adt):
-    """[Bt, H, Tp] ADT -> [Bt, H, nc] e^{Σ ADT over the chunk} (float32)."""
-    bsz, H, _ = adt.shape
-    return jnp.exp(adt.reshape(bsz, H, geo.n_chunks, geo.chunk).sum(axis=-1))
+    """[Bt, Tp, H] ADT -> [Bt, H, nc] e^{Σ ADT over the chunk} (float32)."""
+    bsz, _, H = adt.shape
+    return jnp.exp(jnp.transpose(adt.reshape(bsz, geo.n_chunks, geo.chunk, H).sum(axis=2), (0, 2, 1)))
 
 
 def combine_chunks(geo: ScanGeometry, contributions, decays, boundary, *, reverse: bool):
