@@ -7,6 +7,8 @@
 #                                                  mixer_bench scan_sweep e2e1_dump e2e3_dump (profile + optimized HLO)
 #                                                  conv_bench tests_m1 scan_parallel e2e3_prof gpu_auto
 #                                                  e2e1_nocb e2e1_cb (command buffers off / widened, XLA_FLAGS)
+#                                                  side_train3 side_train1 (the PyTorch train anchor, one model each;
+#                                                  side_train3 needs only the selective-scan extension)
 # anchors_* / side_*: the official kernels and PyTorch model (the anchors folder copied to .anchors, carried):
 # anchors_build starts their CUDA build in the background (~7 min), side_* wait for it.
 #                                                  (default: the list in `stages=` below)
@@ -25,6 +27,12 @@ wait_anchors() {  # both official CUDA extensions built (at most 9 min after anc
   fi
   until ls /tmp/ab/ss/selective_scan_cuda*.so /tmp/ab/cc/causal_conv1d_cuda*.so > /dev/null 2>&1; do
     sleep 5; t=$((t + 5)); if [ $t -ge 540 ]; then echo "anchors not built"; tail -5 "$OUT/anchors_build.log"; return 1; fi
+  done
+}
+wait_ss() {  # the official selective-scan extension built (enough for the Mamba-3 PyTorch anchor)
+  local t=0
+  until ls /tmp/ab/ss/selective_scan_cuda*.so > /dev/null 2>&1; do
+    sleep 5; t=$((t + 5)); if [ $t -ge 300 ]; then echo "selective_scan extension not built"; return 1; fi
   done
 }
 run() {  # name, seconds, command...
@@ -64,6 +72,8 @@ for s in $stages; do case $s in
                setsid nohup python3 .anchors/build.py /tmp/ab > "$OUT/anchors_build.log" 2>&1 < /dev/null & ;;
   side_ops)    wait_anchors && run side_by_side_ops 240 python3 .anchors/side_by_side.py /tmp/ab ops --project . ;;
   side_train)  wait_anchors && run side_by_side_train 200 python3 .anchors/side_by_side.py /tmp/ab train ;;
+  side_train3) wait_ss && run side_by_side_train_mamba3 200 python3 -c "import sys; sys.argv = ['x', '/tmp/ab', 'none']; sys.path.insert(0, '.anchors'); import side_by_side as s; s.train('Mamba3')" ;;
+  side_train1) wait_anchors && run side_by_side_train_mamba1 120 python3 -c "import sys; sys.argv = ['x', '/tmp/ab', 'none']; sys.path.insert(0, '.anchors'); import side_by_side as s; s.train('Mamba1')" ;;
   side_long)   wait_anchors && run side_by_side_train_long 150 python3 -c "import sys; sys.argv = ['x', '/tmp/ab', 'none']; sys.path.insert(0, '.anchors'); import side_by_side as s; s.train('Mamba1', b=1, l=65536)" ;;
   e2e1_prof)   run e2e_mamba1_profile 170 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --profile 3 ;;
   mixer_bench) run mamba1_mixer_bench 200 python3 benchmarks/bench_mamba1_mixer.py ;;
