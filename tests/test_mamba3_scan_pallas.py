@@ -176,11 +176,15 @@ def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits):
         return queries_keys.head_queries_keys(geo, Q, K, Q_bias, K_bias, scale, theta)
 
     want, vjp = jax.vjp(reference, *args)
-    got = queries_keys.head_queries_keys_kernel(geo, *args)
-    for name, g, w in zip(("q", "k"), got, want):
+    q, k, theta = queries_keys.head_queries_keys_kernel(geo, *args)
+    for name, g, w in zip(("q", "k"), (q, k), want):
         assert_close(name, g, w, 4e-6)
+    if inc is None:
+        assert theta is None
+    else:
+        assert_close("theta", theta, queries_keys.position_angles(geo, inc, entry), 4e-6)
     dq, dk = (jnp.asarray(r.normal(size=(bsz, T, H, Np)), jnp.float32) for _ in range(2))
-    got = qk_gradients.query_key_gradients(geo, *args, dq, dk)
+    got = qk_gradients.query_key_gradients(geo, Q, K, Q_bias, K_bias, scale, theta, dq, dk)
     for name, g, w in zip(("dQ", "dK", "dQ_bias", "dK_bias", "d_scale", "d_inc", "d_entry"), got, vjp((dq, dk))):
         if w is None:
             assert g is None, name

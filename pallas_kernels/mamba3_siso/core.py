@@ -14,8 +14,10 @@ differentiated by JAX): for the padded operands in the kernel layout of config.p
   Partial sums (bias gradients over chunks, dQ and dK over slices of a group's heads) are reduced by
   XLA in a fixed order: deterministic, no atomics.
 
-Residuals: the inputs, the per-head q, k̃ (dot operand dtype, [Bt, Tp, H, Np]) and the states
-entering every chunk ([Bt, H, nc, Pp, Np]); the backward never calls the forward kernels' VJP.
+Residuals: the inputs (less the angle increments), the per-head q, k̃ (dot operand dtype,
+[Bt, Tp, H, Np]), the wrapped angle at every position θ ([Bt, Tp, H, Sp] float32, in place of the
+increments, so the backward forms no forward prefix sum) and the states entering every chunk
+([Bt, H, nc, Pp, Np]); the backward never calls the forward kernels' VJP.
 """
 
 from __future__ import annotations
@@ -57,26 +59,27 @@ def chunked_core(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc, theta_entr
 
 
 def _forward(geo, Q, K, Q_bias, K_bias, scale, inc, theta_entry, v, z, adt, skip, s0):
-    q, k = head_queries_keys_kernel(geo, Q, K, Q_bias, K_bias, scale, inc, theta_entry)
+    q, k, theta = head_queries_keys_kernel(geo, Q, K, Q_bias, K_bias, scale, inc, theta_entry)
     ops = kernel_operands(q, k, v, z, adt, skip, s0=s0)
     entering, final = state_passes.forward_state_pass(geo, ops)
     out = chunk_forward.chunk_outputs(geo, ops, entering)
-    return out, final, (q, k, entering)
+    return out, final, (q, k, theta, entering)
 
 
 def _core_fwd(geo, Q, K, Q_bias, K_bias, scale, inc, theta_entry, v, z, adt, skip, s0):
-    out, final, (q, k, entering) = _forward(geo, Q, K, Q_bias, K_bias, scale, inc, theta_entry, v, z, adt, skip, s0)
-    return (out, final), (Q, K, Q_bias, K_bias, scale, inc, theta_entry, q, k, v, z, adt, skip, entering)
+    out, final, (q, k, theta, entering) = _forward(geo, Q, K, Q_bias, K_bias, scale, inc, theta_entry, v, z, adt,
+                                                   skip, s0)
+    return (out, final), (Q, K, Q_bias, K_bias, scale, theta, q, k, v, z, adt, skip, entering)
 
 
 def _core_bwd(geo, residuals, cotangents):
-    Q, K, Q_bias, K_bias, scale, inc, theta_entry, q, k, v, z, adt, skip, entering = residuals
+    Q, K, Q_bias, K_bias, scale, theta, q, k, v, z, adt, skip, entering = residuals
     d_out, d_final = cotangents
     ops = kernel_operands(q, k, v, z, adt, skip, d_out=d_out.astype(v.dtype))
     leaving, d_initial = state_passes.adjoint_state_pass(geo, ops, d_final.astype(F32))
     g = chunk_backward.chunk_gradients(geo, ops, entering, leaving)
     dQ, dK, dQ_bias, dK_bias, d_scale, d_inc, d_entry = query_key_gradients(
-        geo, Q, K, Q_bias, K_bias, scale, inc, theta_entry, g["dq"], g["dk"])
+        geo, Q, K, Q_bias, K_bias, scale, theta, g["dq"], g["dk"])
     return (dQ.astype(Q.dtype), dK.astype(K.dtype), dQ_bias, dK_bias, d_scale, d_inc, d_entry, g["dv"], g.get("dz"),
             g["d_adt"], g["d_skip"], d_initial)
 

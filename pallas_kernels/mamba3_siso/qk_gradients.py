@@ -8,8 +8,9 @@ k̃ = s·R(θ)ȳ (queries_keys.py), the backward is
     dȳ_h = s·R(θ)ᵀ dk̃_h                        dK[g]  = Σ_{h in g} dȳ_h,     dK_bias[h] = Σ_{b,t} dȳ_h
     ds_h = ⟨ȳ_h, R(θ)ᵀ dk̃_h⟩                   dθ_h   = ∂θ⟨dq_h, R(θ)x̄_h⟩ + s·∂θ⟨dk̃_h, R(θ)ȳ_h⟩
 
-and, with θ_t = (θ_entry + Σ_{r <= t in the chunk} inc_r) mod 2π (formed here again from inc, as the
-forward kernel does), d inc_t = Σ_{t' >= t in the chunk} dθ_t' and dθ_entry = Σ_{chunk} dθ.
+and, with θ_t = (θ_entry + Σ_{r <= t in the chunk} inc_r) mod 2π (written by the forward kernel, so
+only the reverse prefix sum is formed here), d inc_t = Σ_{t' >= t in the chunk} dθ_t' and
+dθ_entry = Σ_{chunk} dθ.
 
 XLA's autodiff of queries_keys.head_queries_keys took ~1.25 ms for this at the benchmark shape (docs/performance.md) (several
 passes over the 400 MB of float32 per-head gradients). Here one program per (batch row, block of
@@ -30,14 +31,15 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common.dtypes import F32
 from pallas_kernels.mamba3_siso import layout
-from pallas_kernels.mamba3_siso.chunk_math import angle_gradient, chunk_angles, reverse_cumsum, rotate_back
+from pallas_kernels.mamba3_siso.chunk_math import angle_gradient, reverse_cumsum, rotate_back
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 
 
-def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc, theta_entry, dq, dk):
+def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta, dq, dk):
     """Args (kernel layout, config.py):
       Q, K: [Bt, Tp, G, Np] activation dtype; Q_bias, K_bias: [H, Np] float32; scale: [Bt, Tp, H] float32;
-      inc: [Bt, Tp, H, Sp], theta_entry: [Bt, nc, H, Sp] float32, or both None (no angles);
+      theta: [Bt, Tp, H, Sp] float32 wrapped angle at every position (the forward kernel's, or
+        queries_keys.position_angles), or None (no angles);
       dq, dk: [Bt, Tp, H, Np] float32 gradients of q, k̃.
 
     Returns:
@@ -46,7 +48,7 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc, the
     """
     grid = layout.GroupGrid(geo)
     pieces = geo.pieces
-    rotated = inc is not None
+    rotated = theta is not None
 
     def body(refs):
         def load(ref, name, head=None):
@@ -64,7 +66,7 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc, the
             dq_sum, dk_sum = sums
             rotation = None
             if rotated:
-                angle = chunk_angles(refs["inc"][:, j, :], refs["theta_entry"][j, :])
+                angle = refs["theta"][:, j, :]
                 rotation = (jnp.cos(angle), jnp.sin(angle))
             s = refs["scale"][:, j]
             dq_h = {n: load(refs["dq"], n, j) for n, _, _ in pieces}
@@ -102,8 +104,7 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc, the
               ("K_bias", K_bias.reshape(slices + (Np,)), grid.biases()),
               ("scale", grid.per_head(scale), grid.head_scalars()),
               ("dq", grid.per_head(dq), grid.head_rows(Np)), ("dk", grid.per_head(dk), grid.head_rows(Np)),
-              ("inc", None if inc is None else grid.per_head(inc), grid.head_rows(Sp)),
-              ("theta_entry", None if inc is None else grid.per_head(theta_entry), grid.per_chunk(Sp))]
+              ("theta", None if theta is None else grid.per_head(theta), grid.head_rows(Sp))]
     nc = geo.n_chunks
     partials = jax.ShapeDtypeStruct((bsz, nc) + slices + (Np,), F32)
     slice_sums = jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Np), F32)

@@ -98,11 +98,12 @@ def head_queries_keys(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta):
 
 def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc, theta_entry):
     """Pallas version of `head_queries_keys` at θ = `position_angles(inc, theta_entry)`, rounded to the
-    dot operand dtype: (q, k̃) [Bt, Tp, H, Np].
+    dot operand dtype: (q, k̃ [Bt, Tp, H, Np], θ [Bt, Tp, H, Sp] float32 or None).
 
     inc: [Bt, Tp, H, Sp] angle increments and theta_entry: [Bt, nc, H, Sp] angles entering each chunk
     (float32, zero-padded from S to Sp), or both None (no angles); the other arguments as for
-    `head_queries_keys`.
+    `head_queries_keys`. θ, the wrapped angle at every position, is written for the backward
+    (qk_gradients.py), which then needs no in-chunk prefix sum of its own.
     """
     grid = layout.GroupGrid(geo)
     pieces = geo.pieces
@@ -115,6 +116,7 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc
             rotation = None
             if inc is not None:
                 angle = chunk_angles(refs["inc"][:, j, :], refs["theta_entry"][j, :])
+                refs["theta"][:, j, :] = angle
                 rotation = (jnp.cos(angle), jnp.sin(angle))
             s = refs["scale"][:, j]
             for p, out in (("Q", "q"), ("K", "k")):
@@ -135,8 +137,11 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc
               ("inc", None if inc is None else grid.per_head(inc), grid.head_rows(geo.angle_width)),
               ("theta_entry", None if inc is None else grid.per_head(theta_entry), grid.per_chunk(geo.angle_width))]
     per_head = jax.ShapeDtypeStruct((bsz, Tp) + slices, mm)
-    out = layout.launch(body, geo, grid, inputs,
-                        [("q", per_head, grid.head_rows(Np)), ("k", per_head, grid.head_rows(Np))],
-                        "mamba3_siso_fwd_queries_keys", geo.config.num_warps_qk)
+    outputs = [("q", per_head, grid.head_rows(Np)), ("k", per_head, grid.head_rows(Np))]
+    if inc is not None:
+        outputs.append(("theta", jax.ShapeDtypeStruct((bsz, Tp) + slices[:-1] + (geo.angle_width,), F32),
+                        grid.head_rows(geo.angle_width)))
+    out = layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_fwd_queries_keys", geo.config.num_warps_qk)
     H = geo.heads
-    return out["q"].reshape(bsz, Tp, H, Np), out["k"].reshape(bsz, Tp, H, Np)
+    theta = None if inc is None else out["theta"].reshape(bsz, Tp, H, geo.angle_width)
+    return out["q"].reshape(bsz, Tp, H, Np), out["k"].reshape(bsz, Tp, H, Np), theta
