@@ -145,14 +145,17 @@ def test_chunk_gradients_in_one_two_or_three_launches_match_reference(with_z, ke
     check_against_reference(arrays, states, 16, 2e-5, Mamba3ScanConfig(gradient_kernels=kernels))
 
 
-@pytest.mark.parametrize("N,S,G,H,splits", [(7, 1, 3, 6, 4), (7, 1, 3, 6, 1), (12, 6, 1, 2, 4), (8, 0, 2, 4, 4),
-                                            (40, 10, 1, 3, 4), (7, 1, 1, 6, 4)],
+@pytest.mark.parametrize("N,S,G,H,splits,shared", [(7, 1, 3, 6, 4, True), (7, 1, 3, 6, 1, False),
+                                                   (12, 6, 1, 2, 4, True), (8, 0, 2, 4, 4, True),
+                                                   (40, 10, 1, 3, 4, False), (7, 1, 1, 6, 4, True),
+                                                   (7, 1, 1, 6, 4, False)],
                          ids=["rest-padded-groups", "one-slice-per-group", "full-rope", "no-angles", "three-heads",
-                              "three-slices-of-two-heads"])
-def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits):
-    """The per-head q, k̃ kernel against queries_keys.head_queries_keys at the angles of
-    queries_keys.position_angles, and the query/key gradient kernel against JAX's VJP of the two (every
-    cotangent: Q, K, both biases, scale, angle increments, angles entering the chunks)."""
+                              "three-slices-of-two-heads", "three-slices-per-head-rates"])
+def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits, shared):
+    """The per-head q, k̃ kernel (and the θ it writes) against queries_keys.head_queries_keys at the
+    angles of queries_keys.position_angles(rate·DT), and the query/key gradient kernel against JAX's
+    VJP of the two (every cotangent: Q, K, both biases, scale, the angle rates, shared by the heads or
+    per head, DT, angles entering the chunks)."""
     from pallas_kernels.mamba3_siso import qk_gradients, queries_keys
 
     bsz, T = 2, 32
@@ -167,25 +170,28 @@ def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits):
     Q_bias, K_bias = lay(r.normal(size=(H, N))), lay(r.normal(size=(H, N)))
     scale = jnp.asarray(r.uniform(0.01, 0.5, (bsz, T, H)), jnp.float32)
     pad = [(0, 0)] * 3 + [(0, Sp - S)]
-    inc = None if S == 0 else jnp.pad(jnp.asarray(r.uniform(-0.5, 0.5, (bsz, T, H, S)), jnp.float32), pad)
+    rate = None if S == 0 else jnp.pad(jnp.asarray(r.uniform(-3.0, 3.0, (bsz, T, 1 if shared else H, S)),
+                                                   jnp.float32), pad)
+    dt = None if S == 0 else jnp.asarray(r.uniform(0.01, 0.3, (bsz, T, H)), jnp.float32)
     entry = None if S == 0 else jnp.pad(jnp.asarray(r.uniform(0, 2 * np.pi, (bsz, T // 16, H, S)), jnp.float32), pad)
-    args = (Q, K, Q_bias, K_bias, scale, inc, entry)
+    args = (Q, K, Q_bias, K_bias, scale, rate, dt, entry)
 
-    def reference(Q, K, Q_bias, K_bias, scale, inc, entry):
-        theta = None if inc is None else queries_keys.position_angles(geo, inc, entry)
+    def reference(Q, K, Q_bias, K_bias, scale, rate, dt, entry):
+        theta = None if rate is None else queries_keys.position_angles(geo, rate * dt[..., None], entry)
         return queries_keys.head_queries_keys(geo, Q, K, Q_bias, K_bias, scale, theta)
 
     want, vjp = jax.vjp(reference, *args)
     q, k, theta = queries_keys.head_queries_keys_kernel(geo, *args)
     for name, g, w in zip(("q", "k"), (q, k), want):
         assert_close(name, g, w, 4e-6)
-    if inc is None:
+    if rate is None:
         assert theta is None
     else:
-        assert_close("theta", theta, queries_keys.position_angles(geo, inc, entry), 4e-6)
+        assert_close("theta", theta, queries_keys.position_angles(geo, rate * dt[..., None], entry), 4e-6)
     dq, dk = (jnp.asarray(r.normal(size=(bsz, T, H, Np)), jnp.float32) for _ in range(2))
-    got = qk_gradients.query_key_gradients(geo, Q, K, Q_bias, K_bias, scale, theta, dq, dk)
-    for name, g, w in zip(("dQ", "dK", "dQ_bias", "dK_bias", "d_scale", "d_inc", "d_entry"), got, vjp((dq, dk))):
+    got = qk_gradients.query_key_gradients(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta, dq, dk)
+    for name, g, w in zip(("dQ", "dK", "dQ_bias", "dK_bias", "d_scale", "d_rate", "d_dt", "d_entry"), got,
+                          vjp((dq, dk))):
         if w is None:
             assert g is None, name
         else:
@@ -387,6 +393,14 @@ GPU_CASES = [
 def test_gpu_values_and_cotangents_match_reference(shape, dtype, options, chunk_size, tol):
     arrays, states = make_inputs(shape, dtype, **options)
     check_against_reference(arrays, states, chunk_size, tol)
+
+
+@pytest.mark.gpu
+def test_gpu_angles_shared_by_the_heads_match_reference():
+    """The model's case: one row of angle rates per position for all heads (Angles [Bt, T, 1, S] after
+    the op's normalization), whose gradient the query/key kernel sums over each slice's heads."""
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=5)
+    check_against_reference(dict(arrays, Angles=arrays["Angles"][:, :, :1]), states, 64, 2.5e-2)
 
 
 @pytest.mark.gpu

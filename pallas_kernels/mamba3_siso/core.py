@@ -3,7 +3,7 @@
 What the core computes (everything around it, elementwise or small, is plain JAX in scan.py and
 differentiated by JAX): for the padded operands in the kernel layout of config.py,
 
-    out, S_final = core(Q, K, Q_bias, K_bias, scale, inc, theta_entry, v, z, adt, skip, S_0)
+    out, S_final = core(Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, skip, S_0)
 
   forward   queries_keys.head_queries_keys_kernel -> per-head q, k̃ in the dot operand dtype (1 kernel)
             state_passes.forward_state_pass   -> states entering every chunk, S_final  (2 kernels)
@@ -14,9 +14,9 @@ differentiated by JAX): for the padded operands in the kernel layout of config.p
   Partial sums (bias gradients over chunks, dQ and dK over slices of a group's heads) are reduced by
   XLA in a fixed order: deterministic, no atomics.
 
-Residuals: the inputs (less the angle increments), the per-head q, k̃ (dot operand dtype,
-[Bt, Tp, H, Np]), the wrapped angle at every position θ ([Bt, Tp, H, Sp] float32, in place of the
-increments, so the backward forms no forward prefix sum) and the states entering every chunk
+Residuals: the inputs, the per-head q, k̃ (dot operand dtype, [Bt, Tp, H, Np]), the wrapped angle
+at every position θ ([Bt, Tp, H, Sp] float32, so the backward forms no forward prefix sum) and the
+states entering every chunk
 ([Bt, H, nc, Pp, Np]); the backward never calls the forward kernels' VJP.
 """
 
@@ -39,13 +39,14 @@ def kernel_operands(q, k, v, z, adt, skip, s0=None, d_out=None):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def chunked_core(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc, theta_entry, v, z, adt, skip, s0):
+def chunked_core(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, skip, s0):
     """The chunked scan on kernel layouts (config.py, layout.py).
 
     Args:
       geo: the static ScanGeometry.
       Q, K: [Bt, Tp, G, Np] in the activation dtype; Q_bias, K_bias: [H, Np] float32.
-      scale: [Bt, Tp, H] float32 s = γ + σ̂; inc: [Bt, Tp, H, Sp] float32 angle increments and
+      scale: [Bt, Tp, H] float32 s = γ + σ̂; dt: [Bt, Tp, H] float32 DT;
+      rate: [Bt, Tp, 1 or H, Sp] float32 π·tanh(angles) (the increment of head h is rate·DT_h) and
         theta_entry: [Bt, nc, H, Sp] float32 wrapped angle entering each chunk, or both None (no angles).
       v: [Bt, Tp, H, Pp]; z: [Bt, Tp, H, Pp] or None.
       adt, skip: [Bt, Tp, H] float32 (ADT, D + γ⟨q̄, k̄⟩).
@@ -54,33 +55,34 @@ def chunked_core(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc, theta_entr
     Returns:
       (out [Bt, Tp, H, Pp] in v.dtype, final state [Bt, H, Pp, Np] float32).
     """
-    out, final, _ = _forward(geo, Q, K, Q_bias, K_bias, scale, inc, theta_entry, v, z, adt, skip, s0)
+    out, final, _ = _forward(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, skip, s0)
     return out, final
 
 
-def _forward(geo, Q, K, Q_bias, K_bias, scale, inc, theta_entry, v, z, adt, skip, s0):
-    q, k, theta = head_queries_keys_kernel(geo, Q, K, Q_bias, K_bias, scale, inc, theta_entry)
+def _forward(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, skip, s0):
+    q, k, theta = head_queries_keys_kernel(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry)
     ops = kernel_operands(q, k, v, z, adt, skip, s0=s0)
     entering, final = state_passes.forward_state_pass(geo, ops)
     out = chunk_forward.chunk_outputs(geo, ops, entering)
     return out, final, (q, k, theta, entering)
 
 
-def _core_fwd(geo, Q, K, Q_bias, K_bias, scale, inc, theta_entry, v, z, adt, skip, s0):
-    out, final, (q, k, theta, entering) = _forward(geo, Q, K, Q_bias, K_bias, scale, inc, theta_entry, v, z, adt,
-                                                   skip, s0)
-    return (out, final), (Q, K, Q_bias, K_bias, scale, theta, q, k, v, z, adt, skip, entering)
+def _core_fwd(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, skip, s0):
+    out, final, (q, k, theta, entering) = _forward(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z,
+                                                   adt, skip, s0)
+    return (out, final), (Q, K, Q_bias, K_bias, scale, rate, dt, theta, q, k, v, z, adt, skip, entering)
 
 
 def _core_bwd(geo, residuals, cotangents):
-    Q, K, Q_bias, K_bias, scale, theta, q, k, v, z, adt, skip, entering = residuals
+    Q, K, Q_bias, K_bias, scale, rate, dt, theta, q, k, v, z, adt, skip, entering = residuals
     d_out, d_final = cotangents
     ops = kernel_operands(q, k, v, z, adt, skip, d_out=d_out.astype(v.dtype))
     leaving, d_initial = state_passes.adjoint_state_pass(geo, ops, d_final.astype(F32))
     g = chunk_backward.chunk_gradients(geo, ops, entering, leaving)
-    dQ, dK, dQ_bias, dK_bias, d_scale, d_inc, d_entry = query_key_gradients(
-        geo, Q, K, Q_bias, K_bias, scale, theta, g["dq"], g["dk"])
-    return (dQ.astype(Q.dtype), dK.astype(K.dtype), dQ_bias, dK_bias, d_scale, d_inc, d_entry, g["dv"], g.get("dz"),
+    dQ, dK, dQ_bias, dK_bias, d_scale, d_rate, d_dt, d_entry = query_key_gradients(
+        geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta, g["dq"], g["dk"])
+    return (dQ.astype(Q.dtype), dK.astype(K.dtype), dQ_bias, dK_bias, d_scale, d_rate, d_dt, d_entry, g["dv"],
+            g.get("dz"),
             g["d_adt"], g["d_skip"], d_initial)
 
 

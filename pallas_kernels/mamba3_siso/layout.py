@@ -155,9 +155,16 @@ class GroupGrid:
         """[Bt, Tp, G, Np] (Q, K): the chunk's [L, Np] block (shared by the slices)."""
         return pl.BlockSpec((None, self.geo.chunk, None, self.geo.padded_state), lambda p: self.index(p)[:3] + (0,))
 
-    def slice_rows(self):
-        """[Bt, Tp, G, splits, Np] (partial group sums of dQ, dK): the program's [L, Np] block."""
-        return pl.BlockSpec((None, self.geo.chunk, None, None, self.geo.padded_state), lambda p: self.index(p) + (0,))
+    def slice_rows(self, width=None):
+        """[Bt, Tp, G, splits, width] (partial group sums of dQ, dK; width Np by default, and of the
+        shared angle rates' gradient): the program's [L, width] block."""
+        width = self.geo.padded_state if width is None else width
+        return pl.BlockSpec((None, self.geo.chunk, None, None, width), lambda p: self.index(p) + (0,))
+
+    def shared_rows(self, width):
+        """[Bt, Tp, width] (per-position values shared by every head: the angle rates): the chunk's
+        [L, width] block."""
+        return pl.BlockSpec((None, self.geo.chunk, width), lambda p: self.index(p)[:2] + (0,))
 
     def head_rows(self, width):
         """per_head([Bt, Tp, H, width]): a [L, heads per slice, width] block."""

@@ -10,7 +10,10 @@ k̃ = s·R(θ)ȳ (queries_keys.py), the backward is
 
 and, with θ_t = (θ_entry + Σ_{r <= t in the chunk} inc_r) mod 2π (written by the forward kernel, so
 only the reverse prefix sum is formed here), d inc_t = Σ_{t' >= t in the chunk} dθ_t' and
-dθ_entry = Σ_{chunk} dθ.
+dθ_entry = Σ_{chunk} dθ. The increments are inc_h = rate·DT_h, so the kernel returns their two
+factors' gradients, d DT_h = ⟨d inc_h, rate⟩ and d rate = Σ_h d inc_h·DT_h (summed over the slice's
+heads when the rate is shared by the heads, per head otherwise): d inc itself ([Bt, T, H, S]
+float32) is never written.
 
 XLA's autodiff of queries_keys.head_queries_keys took ~1.25 ms for this at the benchmark shape (docs/performance.md) (several
 passes over the 400 MB of float32 per-head gradients). Here one program per (batch row, block of
@@ -33,22 +36,25 @@ from pallas_kernels.common.dtypes import F32
 from pallas_kernels.mamba3_siso import layout
 from pallas_kernels.mamba3_siso.chunk_math import angle_gradient, reverse_cumsum, rotate_back
 from pallas_kernels.mamba3_siso.config import ScanGeometry
+from pallas_kernels.mamba3_siso.queries_keys import rate_operand
 
 
-def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta, dq, dk):
+def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt, theta, dq, dk):
     """Args (kernel layout, config.py):
       Q, K: [Bt, Tp, G, Np] activation dtype; Q_bias, K_bias: [H, Np] float32; scale: [Bt, Tp, H] float32;
-      theta: [Bt, Tp, H, Sp] float32 wrapped angle at every position (the forward kernel's, or
-        queries_keys.position_angles), or None (no angles);
+      rate: [Bt, Tp, 1 or H, Sp], dt: [Bt, Tp, H] and theta: [Bt, Tp, H, Sp] float32 (the increments'
+        factors, as for queries_keys.head_queries_keys_kernel, and the wrapped angle at every position,
+        the forward kernel's or queries_keys.position_angles), or all None (no angles);
       dq, dk: [Bt, Tp, H, Np] float32 gradients of q, k̃.
 
     Returns:
       (dQ, dK [Bt, Tp, G, Np] float32, dQ_bias, dK_bias [H, Np] float32, d_scale [Bt, Tp, H] float32,
-       d_inc [Bt, Tp, H, Sp] and d_theta_entry [Bt, nc, H, Sp] float32, or both None).
+       d_rate (rate's shape), d_dt [Bt, Tp, H] and d_theta_entry [Bt, nc, H, Sp] float32, or all three None).
     """
     grid = layout.GroupGrid(geo)
     pieces = geo.pieces
     rotated = theta is not None
+    shared_rate = rotated and rate.shape[2] == 1
 
     def body(refs):
         def load(ref, name, head=None):
@@ -61,9 +67,10 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta, d
 
         q_rows = {n: load(refs["Q"], n) for n, _, _ in pieces}
         k_rows = {n: load(refs["K"], n) for n, _, _ in pieces}
+        shared = refs["rate"][...] if shared_rate else None                                  # [L, Sp]
 
         def head_step(j, sums):
-            dq_sum, dk_sum = sums
+            dq_sum, dk_sum, d_rate_sum = sums
             rotation = None
             if rotated:
                 angle = refs["theta"][:, j, :]
@@ -86,12 +93,23 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta, d
             refs["d_scale"][:, j] = d_scale
             if rotated:
                 d_angle = angle_gradient(dq_h, x, rotation) + s[:, None] * angle_gradient(dk_h, y, rotation)
-                refs["d_inc"][:, j, :] = reverse_cumsum(d_angle, axis=0)
+                d_inc = reverse_cumsum(d_angle, axis=0)                                   # [L, Sp]
+                dt_j = refs["dt"][:, j]
+                rate_j = shared if shared_rate else refs["rate"][:, j, :]
+                refs["d_dt"][:, j] = jnp.sum(d_inc * rate_j, axis=1)
+                if shared_rate:
+                    d_rate_sum = d_rate_sum + d_inc * dt_j[:, None]
+                else:
+                    refs["d_rate"][:, j, :] = d_inc * dt_j[:, None]
                 refs["d_theta_entry"][j, :] = jnp.sum(d_angle, axis=0)
-            return dq_sum, dk_sum
+            return dq_sum, dk_sum, d_rate_sum
 
         zeros = {n: jnp.zeros((geo.chunk, w), F32) for n, _, w in pieces}
-        dq_sum, dk_sum = jax.lax.fori_loop(0, grid.heads_per_slice, head_step, (zeros, dict(zeros)))
+        rate_zeros = jnp.zeros((geo.chunk, geo.angle_width), F32) if shared_rate else None
+        dq_sum, dk_sum, d_rate_sum = jax.lax.fori_loop(0, grid.heads_per_slice, head_step,
+                                                       (zeros, dict(zeros), rate_zeros))
+        if shared_rate:
+            refs["d_rate"][...] = d_rate_sum
         for n, start, width in pieces:
             refs["dQ"][:, pl.ds(start, width)] = dq_sum[n]
             refs["dK"][:, pl.ds(start, width)] = dk_sum[n]
@@ -105,6 +123,8 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta, d
               ("scale", grid.per_head(scale), grid.head_scalars()),
               ("dq", grid.per_head(dq), grid.head_rows(Np)), ("dk", grid.per_head(dk), grid.head_rows(Np)),
               ("theta", None if theta is None else grid.per_head(theta), grid.head_rows(Sp))]
+    if rotated:
+        inputs += [rate_operand(grid, rate), ("dt", grid.per_head(dt), grid.head_scalars())]
     nc = geo.n_chunks
     partials = jax.ShapeDtypeStruct((bsz, nc) + slices + (Np,), F32)
     slice_sums = jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Np), F32)
@@ -112,12 +132,19 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta, d
                ("dqb", partials, grid.per_chunk(Np)), ("dkb", partials, grid.per_chunk(Np)),
                ("d_scale", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars())]
     if rotated:
-        outputs += [("d_inc", jax.ShapeDtypeStruct((bsz, Tp) + slices + (Sp,), F32), grid.head_rows(Sp)),
+        d_rate = ((jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Sp), F32), grid.slice_rows(Sp)) if shared_rate
+                  else (jax.ShapeDtypeStruct((bsz, Tp) + slices + (Sp,), F32), grid.head_rows(Sp)))
+        outputs += [("d_rate",) + d_rate,
+                    ("d_dt", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars()),
                     ("d_theta_entry", jax.ShapeDtypeStruct((bsz, nc) + slices + (Sp,), F32), grid.per_chunk(Sp))]
     out = layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients",
                         geo.config.num_warps_qk)
-    d_inc = out["d_inc"].reshape(bsz, Tp, H, Sp) if rotated else None
-    d_entry = out["d_theta_entry"].reshape(bsz, nc, H, Sp) if rotated else None
+    d_rate = d_dt = d_entry = None
+    if rotated:
+        d_rate = (out["d_rate"].sum(axis=(2, 3))[:, :, None] if shared_rate
+                  else out["d_rate"].reshape(bsz, Tp, H, Sp))
+        d_dt = out["d_dt"].reshape(bsz, Tp, H)
+        d_entry = out["d_theta_entry"].reshape(bsz, nc, H, Sp)
     return (out["dQ"].sum(axis=3), out["dK"].sum(axis=3),
             out["dqb"].sum(axis=(0, 1)).reshape(H, Np), out["dkb"].sum(axis=(0, 1)).reshape(H, Np),
-            out["d_scale"].reshape(bsz, Tp, H), d_inc, d_entry)
+            out["d_scale"].reshape(bsz, Tp, H), d_rate, d_dt, d_entry)

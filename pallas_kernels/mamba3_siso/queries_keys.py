@@ -96,34 +96,48 @@ def head_queries_keys(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta):
     return per_head(Q, Q_bias), per_head(K, K_bias) * scale[..., None]
 
 
-def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc, theta_entry):
-    """Pallas version of `head_queries_keys` at θ = `position_angles(inc, theta_entry)`, rounded to the
-    dot operand dtype: (q, k̃ [Bt, Tp, H, Np], θ [Bt, Tp, H, Sp] float32 or None).
+def rate_operand(grid: layout.GroupGrid, rate):
+    """("rate", array, BlockSpec): shared rates [Bt, Tp, 1, Sp] as one [L, Sp] block per program, per-head
+    rates [Bt, Tp, H, Sp] as the slice's [L, heads per slice, Sp] block."""
+    if rate.shape[2] == 1:
+        return "rate", rate[:, :, 0], grid.shared_rows(rate.shape[-1])
+    return "rate", grid.per_head(rate), grid.head_rows(rate.shape[-1])
 
-    inc: [Bt, Tp, H, Sp] angle increments and theta_entry: [Bt, nc, H, Sp] angles entering each chunk
-    (float32, zero-padded from S to Sp), or both None (no angles); the other arguments as for
-    `head_queries_keys`. θ, the wrapped angle at every position, is written for the backward
+
+def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry):
+    """Pallas version of `head_queries_keys` at θ = `position_angles(rate·dt, theta_entry)`, rounded to
+    the dot operand dtype: (q, k̃ [Bt, Tp, H, Np], θ [Bt, Tp, H, Sp] float32 or None).
+
+    rate: [Bt, Tp, 1 or H, Sp] π·tanh(angles) (1: shared by the heads), dt: [Bt, Tp, H] DT (the
+    increment of head h is rate·DT_h, formed here) and theta_entry: [Bt, nc, H, Sp] angles entering
+    each chunk (float32, zero-padded from S to Sp), or all None (no angles); the other arguments as
+    for `head_queries_keys`. θ, the wrapped angle at every position, is written for the backward
     (qk_gradients.py), which then needs no in-chunk prefix sum of its own.
     """
     grid = layout.GroupGrid(geo)
     pieces = geo.pieces
     mm = jnp.dtype(geo.matmul_dtype)
 
+    rotated = rate is not None
+    shared_rate = rotated and rate.shape[2] == 1
+
     def body(refs):
         rows = {p: {n: refs[p][:, pl.ds(start, width)].astype(F32) for n, start, width in pieces} for p in "QK"}
+        shared = refs["rate"][...] if shared_rate else None                                  # [L, Sp]
 
         def head_step(j, carry):
             rotation = None
-            if inc is not None:
-                angle = chunk_angles(refs["inc"][:, j, :], refs["theta_entry"][j, :])
+            if rotated:
+                rate_j = shared if shared_rate else refs["rate"][:, j, :]
+                angle = chunk_angles(rate_j * refs["dt"][:, j][:, None], refs["theta_entry"][j, :])
                 refs["theta"][:, j, :] = angle
                 rotation = (jnp.cos(angle), jnp.sin(angle))
             s = refs["scale"][:, j]
             for p, out in (("Q", "q"), ("K", "k")):
-                rotated = rotate({n: rows[p][n] + refs[f"{p}_bias"][j, pl.ds(start, width)][None, :]
-                                  for n, start, width in pieces}, rotation)
+                turned = rotate({n: rows[p][n] + refs[f"{p}_bias"][j, pl.ds(start, width)][None, :]
+                                 for n, start, width in pieces}, rotation)
                 for n, start, width in pieces:
-                    x = rotated[n]
+                    x = turned[n]
                     refs[out][:, j, pl.ds(start, width)] = (x if p == "Q" else s[:, None] * x).astype(mm)
             return carry
 
@@ -134,14 +148,15 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, inc
     inputs = [("Q", Q, grid.group_rows()), ("K", K, grid.group_rows()),
               ("Q_bias", Q_bias.reshape(slices), grid.biases()), ("K_bias", K_bias.reshape(slices), grid.biases()),
               ("scale", grid.per_head(scale), grid.head_scalars()),
-              ("inc", None if inc is None else grid.per_head(inc), grid.head_rows(geo.angle_width)),
-              ("theta_entry", None if inc is None else grid.per_head(theta_entry), grid.per_chunk(geo.angle_width))]
+              ("theta_entry", None if not rotated else grid.per_head(theta_entry), grid.per_chunk(geo.angle_width))]
+    if rotated:
+        inputs += [rate_operand(grid, rate), ("dt", grid.per_head(dt), grid.head_scalars())]
     per_head = jax.ShapeDtypeStruct((bsz, Tp) + slices, mm)
     outputs = [("q", per_head, grid.head_rows(Np)), ("k", per_head, grid.head_rows(Np))]
-    if inc is not None:
+    if rotated:
         outputs.append(("theta", jax.ShapeDtypeStruct((bsz, Tp) + slices[:-1] + (geo.angle_width,), F32),
                         grid.head_rows(geo.angle_width)))
     out = layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_fwd_queries_keys", geo.config.num_warps_qk)
     H = geo.heads
-    theta = None if inc is None else out["theta"].reshape(bsz, Tp, H, geo.angle_width)
+    theta = None if not rotated else out["theta"].reshape(bsz, Tp, H, geo.angle_width)
     return out["q"].reshape(bsz, Tp, H, Np), out["k"].reshape(bsz, Tp, H, Np), theta

@@ -1,6 +1,6 @@
 """The Pallas Mamba-3 SISO scan on prepared operands: layout, chunk-entry angles, the chunked core.
 
-`chunked_scan(Q, K, V, Q_bias, K_bias, scale, skip, ADT, inc, angle0, s0, Z, *, chunk_size)`
+`chunked_scan(Q, K, V, Q_bias, K_bias, scale, skip, ADT, rate, dt, angle0, s0, Z, *, chunk_size)`
 -> (out [Bt, T, H, P] in V.dtype, ssm_final [Bt, H, P, N] float32, θ_final [Bt, H, S] float32),
 differentiable w.r.t. every array argument. The per-position preprocessing that turns the op's
 arguments into these operands (the trapezoid weights, the skip term, the angle increments, the
@@ -10,14 +10,16 @@ core (core.py: one custom_vjp around four kernels forward and four to six backwa
 kernels of queries_keys.py and qk_gradients.py included) is hand-differentiated (docs/mamba3_siso.md §4).
 
   operands       s = γ + σ̂ [Bt, T, H] (key scale), skip = D + γ⟨q̄, k̄⟩ [Bt, T, H],
-                 inc = π·tanh(Angles)·DT [Bt, T, H, S] (None when S = 0), θ_{-1} [Bt, H, S],
+                 rate = π·tanh(Angles) [Bt, T, 1 or H, S] (None when S = 0) and DT [Bt, T, H], whose
+                 product inc = rate·DT is the per-head angle increment (formed inside the
+                 kernels, never as a [Bt, T, H, S] array), θ_{-1} [Bt, H, S],
                  S_0 = h_{-1} + DT_0(1 − λ_0)·v_{-1}k_{-1}ᵀ [Bt, H, P, N] (the β_0 term folded in)
   per chunk      the angle entering each chunk: a triangular matmul over the wrapped chunk sums of
                  inc, wrapped again (chunk_entry_angles); the query/key kernels form the angle at
                  every position, θ_t = (θ_entry + Σ_{r <= t in the chunk} inc_r) mod 2π
 
 Layout work done here (layout.py, config.py): T padded to a multiple of the chunk (ADT = 0 and
-s = skip = inc = 0 there: identity steps with zero input, so the final state is exact), headdim
+s = skip = DT = 0 there: identity steps with zero input, so the final state is exact), headdim
 padded to Pp, and d_state of Q, K, the biases and the state permuted into the kernel layout
 (even | odd | rest pieces, zero-padded): [.., G, N] arrays only; the per-head [.., H, Np] operands
 are formed in that layout inside the core.
@@ -49,14 +51,15 @@ def matmul_dtype(Q, K, V):
     return jnp.dtype(F32)
 
 
-def chunked_scan(Q, K, V, Q_bias, K_bias, scale, skip, ADT, inc, angle0, s0, Z, *, chunk_size,
+def chunked_scan(Q, K, V, Q_bias, K_bias, scale, skip, ADT, rate, dt, angle0, s0, Z, *, chunk_size,
                  config: Mamba3ScanConfig | None = None, interpret: bool = False):
     """Chunked Pallas Mamba-3 SISO scan on prepared operands.
 
     Args:
       Q, K: [Bt, T, G, N] (unrotated, before the biases); V: [Bt, T, H, P]; Q_bias, K_bias: [H, N].
       scale, skip, ADT: [Bt, T, H] float32 (see the module docstring).
-      inc: [Bt, T, H, S] angle increments, or None when S = 0.
+      rate: [Bt, T, 1 or H, S] float32 π·tanh(Angles) (1: shared by the heads), or None when S = 0;
+      dt: [Bt, T, H] float32 DT (the increment of head h is rate·DT_h; unused when S = 0).
       angle0: [Bt, H, S] the entering angle; s0: [Bt, H, P, N] the entering (augmented) state.
       Z: [Bt, T, H, P] gate or None.
       chunk_size: requested chunk length (rounded by config.chunk_length).
@@ -75,15 +78,17 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, skip, ADT, inc, angle0, s0, Z, 
     theta_entry = None
     theta_final = angle0
     if S:
-        theta_entry, theta_final = chunk_entry_angles(geo, inc, angle0)
-        inc = pad_axis_to(_pad_time(geo, inc), 3, geo.angle_width)          # [Bt, Tp, H, Sp]
+        dt = _pad_time(geo, dt.astype(F32))                                  # [Bt, Tp, H]
+        rate = _pad_time(geo, rate.astype(F32))
+        theta_entry, theta_final = chunk_entry_angles(geo, rate, dt, angle0)
+        rate = pad_axis_to(rate, 3, geo.angle_width)                         # [Bt, Tp, 1 or H, Sp]
         theta_entry = pad_axis_to(theta_entry, 3, geo.angle_width)          # [Bt, nc, H, Sp]
     else:
-        inc = None
+        rate = dt = None
     core_args = (
         to_kernel_layout(geo, _pad_time(geo, Q)), to_kernel_layout(geo, _pad_time(geo, K)),
         to_kernel_layout(geo, Q_bias.astype(F32)), to_kernel_layout(geo, K_bias.astype(F32)),
-        _pad_time(geo, scale), inc, theta_entry,
+        _pad_time(geo, scale), rate, dt, theta_entry,
         _pad_headdim(geo, _pad_time(geo, V)), None if Z is None else _pad_headdim(geo, _pad_time(geo, Z)),
         _sequence(geo, ADT.astype(F32)), _sequence(geo, skip),
         _pad_headdim(geo, to_kernel_layout(geo, s0), axis=2))
@@ -91,17 +96,24 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, skip, ADT, inc, angle0, s0, Z, 
     return out[:, :T, :, :P], from_kernel_layout(geo, final[:, :, :P]), theta_final
 
 
-def chunk_entry_angles(geo: ScanGeometry, inc, angle0):
+def chunk_entry_angles(geo: ScanGeometry, rate, dt, angle0):
     """(θ entering each chunk [Bt, nc, H, S], final θ [Bt, H, S]), wrapped into [0, 2π).
 
-    Each chunk's sum of increments is wrapped first (so every term is in [0, 2π)), then one
+    rate [Bt, Tp, 1 or H, S], dt [Bt, Tp, H] (time-padded with zeros): the increments are rate·dt.
+    Each chunk's sum of increments (a contraction over the chunk's positions, float32
+    Precision.HIGHEST: no [Bt, T, H, S] array) is wrapped first (so every term is in [0, 2π)), then one
     triangular matmul (float32, Precision.HIGHEST) forms the exclusive prefix sums over chunks, which
     are wrapped again: one small XLA kernel instead of a scan. The prefix sums stay below nc·2π, so
     the carried angle loses at most ~nc·2π·2^-24 rad (4e-5 rad at nc = 128) to rounding.
     """
-    bsz, _, H, S = inc.shape
-    nc = geo.n_chunks
-    sums = jnp.mod(_pad_time(geo, inc).reshape(bsz, nc, geo.chunk, H, S).sum(axis=2), TWO_PI)   # [Bt, nc, H, S]
+    bsz, _, Hr, S = rate.shape
+    H, nc, L = dt.shape[-1], geo.n_chunks, geo.chunk
+    rate, dt = rate.reshape(bsz, nc, L, Hr, S), dt.reshape(bsz, nc, L, H)
+    if Hr == 1:
+        sums = jnp.einsum("bcls,bclh->bchs", rate[:, :, :, 0], dt, precision=HI)
+    else:
+        sums = jnp.sum(rate * dt[..., None], axis=2)
+    sums = jnp.mod(sums, TWO_PI)                                                               # [Bt, nc, H, S]
     # [θ_{-1}, sum_0, ..., sum_{nc-1}]: row c of `before` adds θ_{-1} and the sums of the chunks before c
     terms = jnp.concatenate([angle0[:, None], sums], axis=1)                                      # [Bt, nc+1, H, S]
     before = jnp.tril(jnp.ones((nc + 1, nc + 1), F32))

@@ -75,9 +75,14 @@ def rotate_pairs(x, theta):
     return jnp.concatenate([rotated, x[..., 2 * S:]], axis=-1)
 
 
+def angle_rate(angles):
+    """π·tanh(angles_raw): the RoPE angle per unit of DT, angles' shape."""
+    return math.pi * jnp.tanh(angles)
+
+
 def angle_increment(angles, dt):
     """π·tanh(angles_raw)·DT: the per-step RoPE angle increment [..., H, S]. angles [..., H or 1, S], dt [..., H]."""
-    return math.pi * jnp.tanh(angles) * dt[..., None]
+    return angle_rate(angles) * dt[..., None]
 
 
 def wrap_angle(theta):
