@@ -96,7 +96,9 @@ class Mamba3Mixer(nnx.Module):
         # out of it forward and concatenate all eight cotangents back into it backward).
         # XLA's dot merger would fuse three dots that share x back into one (and the three weight
         # gradients that share x into one over a concatenated cotangent), so each dot gets its own
-        # copy of x through an optimization barrier (no data moves).
+        # copy of x through an optimization barrier (no data moves). Numerics: the outputs are as
+        # one matmul's; the cotangent of x is the sum of three products each rounded to x.dtype
+        # (bf16: rms error ~0.29% of the cotangent vs ~0.17% for one product rounded once).
         w = self.in_proj.kernel[...].astype(x.dtype)
         xs = jax.lax.optimization_barrier((x, x, x))
         z, xv, rest = (jnp.dot(xi, w[:, lo:hi]) for xi, (lo, hi) in zip(xs, ((0, Di), (Di, 2 * Di), (2 * Di, None))))
