@@ -63,6 +63,9 @@ SWEEP = [
     dataclasses.replace(DEFAULT_CONFIG, num_warps_qk=4),
     dataclasses.replace(DEFAULT_CONFIG, state_block_p=32),
     dataclasses.replace(DEFAULT_CONFIG, state_block_p=8),
+    dataclasses.replace(DEFAULT_CONFIG, angle_sums="matmul"),
+    dataclasses.replace(DEFAULT_CONFIG, angle_sums="matmul", num_warps_qk=4),
+    dataclasses.replace(DEFAULT_CONFIG, qk_head_splits=2),
 ]
 
 
@@ -144,7 +147,7 @@ def min_bytes(bsz, T, dims, itemsize=2):
 
 
 def core_operands(inputs, chunk, config):
-    """(geometry, prep): the kernels' ScanGeometry and `prep(*inputs)` -> the 12 operands of
+    """(geometry, prep): the kernels' ScanGeometry and `prep(*inputs)` -> the 13 operands of
     `pallas_kernels.mamba3_siso.core.chunked_core`, i.e. the op's glue and layout work before the core.
 
     Both are captured from the real glue (jmamba/ops/mamba3_siso_scan/pallas.py) by standing in for
@@ -157,7 +160,7 @@ def core_operands(inputs, chunk, config):
 
     def stand_in(geo, *operands):   # what chunked_core returns: out like v, the final state like s0
         seen["geo"], seen["operands"] = geo, operands
-        v, s0 = operands[7], operands[11]
+        v, s0 = operands[8], operands[12]
         return jnp.zeros(v.shape, v.dtype), jnp.zeros(s0.shape, jnp.float32)
 
     def prep(*x):
@@ -185,21 +188,22 @@ def stage_breakdown(shape, dims, chunk, config, iters, workers):
 
     a = make_args(*shape, dims)
     H = dims["H"]
-    angles = jnp.broadcast_to(a["Angles"][:, :, None], a["Angles"].shape[:2] + (H, dims["S"]))
+    angles = a["Angles"][:, :, None]      # shared by the heads, as the op normalizes the mixer's [Bt, T, S]
     inputs = [a[k] for k in ARG_NAMES[:8]] + [angles, a["D"], a["z"]]
     geo, prep = core_operands(inputs, chunk, config)
+    del H
 
-    def operands(args, qk, d_out=None):   # args: Q, K, Q_bias, K_bias, scale, inc, θ_entry, v, z, adt, skip, s0
-        return core.kernel_operands(*qk, *args[7:11], s0=args[11], d_out=d_out)
+    def operands(args, qk, d_out=None):   # args: Q, K, Q_bias, K_bias, scale, rate, dt, θ_entry, v, z, adt, skip, s0
+        return core.kernel_operands(*qk[:2], *args[8:12], s0=args[12], d_out=d_out)
 
-    def queries_keys(args):
-        return queries_keys_kernel(geo, *args[:7])
+    def queries_keys(args):               # (q, k̃, θ)
+        return queries_keys_kernel(geo, *args[:8])
 
     def fwd_local(args, qk):
         return state_passes.chunk_contributions(geo, operands(args, qk), adjoint=False)
 
     def fwd_combine(args, local):
-        return state_passes.combine_chunks(geo, local, state_passes.chunk_decays(geo, args[9]), args[11],
+        return state_passes.combine_chunks(geo, local, state_passes.chunk_decays(geo, args[10]), args[12],
                                            reverse=False)[0]
 
     def fwd_chunks(args, qk, entering):
@@ -209,14 +213,14 @@ def stage_breakdown(shape, dims, chunk, config, iters, workers):
         return state_passes.chunk_contributions(geo, operands(args, qk, d_out), adjoint=True)
 
     def bwd_combine(args, local):
-        return state_passes.combine_chunks(geo, local, state_passes.chunk_decays(geo, args[9]),
-                                           jnp.zeros_like(args[11]), reverse=True)[0]
+        return state_passes.combine_chunks(geo, local, state_passes.chunk_decays(geo, args[10]),
+                                           jnp.zeros_like(args[12]), reverse=True)[0]
 
     def bwd_chunks(args, qk, d_out, entering, leaving):
         return chunk_backward.chunk_gradients(geo, operands(args, qk, d_out), entering, leaving)
 
-    def qk_grads(args, grads):
-        return qk_gradients.query_key_gradients(geo, *args[:7], grads["dq"], grads["dk"])
+    def qk_grads(args, qk, grads):
+        return qk_gradients.query_key_gradients(geo, *args[:7], qk[2], grads["dq"], grads["dk"])
 
     def glue_backward(cotangents):   # the VJP of prep (XLA): from the core's cotangents to the op's
         primals, vjp = jax.vjp(prep, *inputs)
@@ -234,12 +238,12 @@ def stage_breakdown(shape, dims, chunk, config, iters, workers):
               ("bwd 2: adjoint combine", bwd_combine, lambda r: (r["args"], r["bwd_local"])),
               ("bwd 3: chunk gradients", bwd_chunks,
                lambda r: (r["args"], r["qk"], r["d_out"], r["entering"], r["leaving"])),
-              ("bwd 4: query/key gradients", qk_grads, lambda r: (r["args"], r["grads"])),
+              ("bwd 4: query/key gradients", qk_grads, lambda r: (r["args"], r["qk"], r["grads"])),
               ("bwd 5: glue backward (XLA: the VJP of prep, which it recomputes)", glue_backward,
-               lambda r: (core_cotangents(r["args"], r["qk_g"], r["grads"], r["args"][11]),))]
+               lambda r: (core_cotangents(r["args"], r["qk_g"], r["grads"], r["args"][12]),))]
     # abstract values of every intermediate, so that all stages can be lowered before any runs
     shapes = {"args": jax.eval_shape(prep, *inputs)}
-    shapes["d_out"] = jax.ShapeDtypeStruct(shapes["args"][7].shape, shapes["args"][7].dtype)
+    shapes["d_out"] = jax.ShapeDtypeStruct(shapes["args"][8].shape, shapes["args"][8].dtype)
     shapes["qk"] = jax.eval_shape(queries_keys, shapes["args"])
     shapes["fwd_local"] = jax.eval_shape(fwd_local, shapes["args"], shapes["qk"])
     shapes["entering"] = jax.eval_shape(fwd_combine, shapes["args"], shapes["fwd_local"])
@@ -247,7 +251,7 @@ def stage_breakdown(shape, dims, chunk, config, iters, workers):
     shapes["leaving"] = jax.eval_shape(bwd_combine, shapes["args"], shapes["bwd_local"])
     shapes["grads"] = jax.eval_shape(bwd_chunks, shapes["args"], shapes["qk"], shapes["d_out"], shapes["entering"],
                                      shapes["leaving"])
-    shapes["qk_g"] = jax.eval_shape(qk_grads, shapes["args"], shapes["grads"])
+    shapes["qk_g"] = jax.eval_shape(qk_grads, shapes["args"], shapes["qk"], shapes["grads"])
     compiled = compile_all({name: (fn, get(shapes)) for name, fn, get in stages}, workers)
 
     real = {"d_out": jnp.asarray(np.random.default_rng(7).normal(size=shapes["d_out"].shape), shapes["d_out"].dtype)}
@@ -269,7 +273,8 @@ def _short(cfg):
     return (f"chunk<={cfg.max_chunk} combine-rows{cfg.state_block_p} warps combine/local/out/grad "
             f"{cfg.num_warps_state}/{cfg.num_warps_local}/{cfg.num_warps_chunk}/{cfg.num_warps_grad} "
             f"stages{cfg.num_stages} states-{cfg.stored_state_dtype} "
-            f"grad-launches{cfg.gradient_kernels} qk-warps{cfg.num_warps_qk}")
+            f"grad-launches{cfg.gradient_kernels} qk-warps{cfg.num_warps_qk} qk-splits{cfg.qk_head_splits} "
+            f"angle-sums-{cfg.angle_sums}")
 
 
 def main(argv=None):

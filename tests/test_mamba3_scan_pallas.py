@@ -145,13 +145,21 @@ def test_chunk_gradients_in_one_two_or_three_launches_match_reference(with_z, ke
     check_against_reference(arrays, states, 16, 2e-5, Mamba3ScanConfig(gradient_kernels=kernels))
 
 
-@pytest.mark.parametrize("N,S,G,H,splits,shared", [(7, 1, 3, 6, 4, True), (7, 1, 3, 6, 1, False),
-                                                   (12, 6, 1, 2, 4, True), (8, 0, 2, 4, 4, True),
-                                                   (40, 10, 1, 3, 4, False), (7, 1, 1, 6, 4, True),
-                                                   (7, 1, 1, 6, 4, False)],
-                         ids=["rest-padded-groups", "one-slice-per-group", "full-rope", "no-angles", "three-heads",
-                              "three-slices-of-two-heads", "three-slices-per-head-rates"])
-def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits, shared):
+def test_angle_sums_by_matmul_match_reference():
+    """Mamba3ScanConfig(angle_sums="matmul") through the op: every value and cotangent (S=16: Sp wide
+    enough for the triangular dots)."""
+    arrays, states = make_inputs((2, 37, 4, 2, 40, 8, 16), jnp.float32, seed=11)
+    check_against_reference(arrays, states, 16, 2e-5, Mamba3ScanConfig(angle_sums="matmul"))
+
+
+@pytest.mark.parametrize("N,S,G,H,splits,shared,sums", [
+    (7, 1, 3, 6, 4, True, "scan"), (7, 1, 3, 6, 1, False, "scan"), (12, 6, 1, 2, 4, True, "scan"),
+    (8, 0, 2, 4, 4, True, "scan"), (40, 10, 1, 3, 4, False, "scan"), (7, 1, 1, 6, 4, True, "scan"),
+    (7, 1, 1, 6, 4, False, "scan"), (40, 10, 1, 3, 4, True, "matmul"), (36, 16, 2, 4, 2, False, "matmul")],
+    ids=["rest-padded-groups", "one-slice-per-group", "full-rope", "no-angles", "three-heads",
+         "three-slices-of-two-heads", "three-slices-per-head-rates", "angle-sums-by-matmul",
+         "angle-sums-by-matmul-per-head"])
+def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits, shared, sums):
     """The per-head q, k̃ kernel (and the θ it writes) against queries_keys.head_queries_keys at the
     angles of queries_keys.position_angles(rate·DT), and the query/key gradient kernel against JAX's
     VJP of the two (every cotangent: Q, K, both biases, scale, the angle rates, shared by the heads or
@@ -161,7 +169,8 @@ def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits, sh
     bsz, T = 2, 32
     geo = make_geometry(batch=bsz, seqlen=T, heads=H, groups=G, headdim=16, d_state=N, num_angles=S, chunk_size=16,
                         has_z=False, matmul_dtype=jnp.float32, io_dtype=jnp.float32, interpret=True,
-                        config=Mamba3ScanConfig(qk_head_splits=splits))
+                        config=Mamba3ScanConfig(qk_head_splits=splits, angle_sums=sums))
+    assert geo.angle_sums_by_matmul == (sums == "matmul")
     assert geo.qk_splits == {2: min(splits, 2), 3: 3, 6: 3}[H // G]    # the largest divisor <= splits
     r = np.random.default_rng(9)
     Np, Sp = geo.padded_state, geo.angle_width
@@ -274,6 +283,12 @@ def test_kernels_lower_to_triton_for_h200(shape, dtype, with_z):
     text = _lower_for_h200(shape, dtype, with_z=with_z)
     # forward: queries/keys, chunk states, state combine, chunk outputs; backward: chunk adjoints,
     # adjoint combine, chunk gradients (three launches by default), query/key gradients
+    assert text.count("__gpu$xla.gpu.triton") == 10
+
+
+def test_angle_sums_by_matmul_lower_for_h200():
+    """Mamba3ScanConfig(angle_sums="matmul"): the triangular dots in both query/key kernels lower."""
+    text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=Mamba3ScanConfig(angle_sums="matmul"))
     assert text.count("__gpu$xla.gpu.triton") == 10
 
 
@@ -412,6 +427,14 @@ def test_gpu_other_kernel_variants_match_reference(with_z, kernels):
                               num_warps_chunk=8, num_warps_qk=4)
     arrays, states = make_inputs((3, 1000, 8, 2, 128, 64, 32), jnp.bfloat16, with_z=with_z, seed=8)
     check_against_reference(arrays, states, 64, 2.5e-2, config)
+
+
+@pytest.mark.gpu
+def test_gpu_angle_sums_by_matmul_match_reference():
+    """The triangular-dot angle sums (a sweep candidate, off by default) at the benchmark shape."""
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=12)
+    check_against_reference(dict(arrays, Angles=arrays["Angles"][:, :, :1]), states, 64, 2.5e-2,
+                            Mamba3ScanConfig(angle_sums="matmul"))
 
 
 @pytest.mark.gpu

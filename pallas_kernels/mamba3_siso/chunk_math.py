@@ -26,18 +26,38 @@ def wrap_angle(theta):
     return theta - TWO_PI * jnp.floor(theta * (1.0 / TWO_PI))
 
 
-def chunk_angles(inc, theta_entry):
+def chunk_angles(inc, theta_entry, *, by_matmul=False):
     """[L, Sp] θ_i = (θ_entry + Σ_{r <= i} inc_r) mod 2π: inc [L, Sp] angle increments, theta_entry [Sp]
-    the wrapped angle entering the chunk (each term below 2π·(1 + L): ~L·2π·2^-24 rad rounding)."""
-    return wrap_angle(theta_entry[None, :] + jnp.cumsum(inc, axis=0))
+    the wrapped angle entering the chunk (each term below 2π·(1 + L): ~L·2π·2^-24 rad rounding).
+    by_matmul: the prefix sums as (lower-triangular ones)·inc instead of a cumsum (prefix_sum)."""
+    return wrap_angle(theta_entry[None, :] + prefix_sum(inc, by_matmul=by_matmul))
+
+
+def triangle(n, *, upper):
+    """[n, n] float32 0/1 matrix: ones on and below (upper=False) or on and above (upper=True) the diagonal."""
+    i = jax.lax.broadcasted_iota(I32, (n, n), 0)
+    j = jax.lax.broadcasted_iota(I32, (n, n), 1)
+    return jnp.where(j >= i if upper else j <= i, 1.0, 0.0).astype(F32)
+
+
+def prefix_sum(x, *, by_matmul=False):
+    """Σ_{i' <= i} x_{i'} over the rows of a 2-D float32 tile: a cumsum, or a dot with a triangular 0/1
+    matrix (exact float32 products; no scan across warps, the dot's operand staging instead)."""
+    if by_matmul:
+        return dot(triangle(x.shape[0], upper=False), x, F32)
+    return jnp.cumsum(x, axis=0)
 
 
 def sigmoid(x):
     return 1.0 / (1.0 + jnp.exp(-x))
 
 
-def reverse_cumsum(x, axis=0):
-    """Σ_{i' >= i} x_{i'} along `axis` (inclusive)."""
+def reverse_cumsum(x, axis=0, *, by_matmul=False):
+    """Σ_{i' >= i} x_{i'} along `axis` (inclusive); by_matmul (rows of a 2-D tile only): as
+    (upper-triangular ones)·x, the sums without the total − cumsum + x cancellation."""
+    if by_matmul:
+        assert axis == 0 and x.ndim == 2
+        return dot(triangle(x.shape[0], upper=True), x, F32)
     return jnp.sum(x, axis=axis, keepdims=True) - jnp.cumsum(x, axis=axis) + x
 
 

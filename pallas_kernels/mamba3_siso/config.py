@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from pallas_kernels.common.sizes import is_power_of_2, largest_power_of_2_at_most, next_power_of_2, round_up
 
 STORED_STATE_DTYPES = ("float32", "bfloat16", "dot_operand")
+ANGLE_SUMS = ("scan", "matmul")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,11 @@ class Mamba3ScanConfig:
         round them to for their dots anyway, i.e. bf16/f16 for 16-bit activations and float32 for
         float32 ones). The running states, the chunks' contributions and the final state are float32
         either way; only ⟨S_c, dS_c⟩ in dADT reads the stored states outside a dot.
+      angle_sums: how the query/key kernels form the in-chunk prefix sums of the angle increments
+        (forward) and the reverse sums of the angle gradients (backward): "scan" (Triton's cumsum,
+        a scan across the program's warps) or "matmul" (a [L, L] triangular 0/1 matrix times the
+        [L, Sp] tile, exact float32 products: the same sums up to the order of the additions). The
+        matmul form needs Sp >= min_width (tl.dot's smallest dimension); narrower angle pieces use the scan.
     """
 
     state_block_p: int = 16
@@ -75,6 +81,7 @@ class Mamba3ScanConfig:
     min_chunk: int = 16
     max_chunk: int = 128
     stored_state_dtype: str = "dot_operand"
+    angle_sums: str = "scan"
 
     def validate(self) -> "Mamba3ScanConfig":
         for name in ("state_block_p", "num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad",
@@ -97,6 +104,8 @@ class Mamba3ScanConfig:
             raise ValueError(f"Mamba3ScanConfig.qk_head_splits must be a positive int, got {self.qk_head_splits!r}")
         if type(self.gradient_kernels) is not int or self.gradient_kernels not in (1, 2, 3):
             raise ValueError(f"Mamba3ScanConfig.gradient_kernels must be 1, 2 or 3, got {self.gradient_kernels!r}")
+        if self.angle_sums not in ANGLE_SUMS:
+            raise ValueError(f"Mamba3ScanConfig.angle_sums must be one of {ANGLE_SUMS}, got {self.angle_sums!r}")
         if self.stored_state_dtype not in STORED_STATE_DTYPES:
             raise ValueError(f"Mamba3ScanConfig.stored_state_dtype must be one of {STORED_STATE_DTYPES}, "
                              f"got {self.stored_state_dtype!r}")
@@ -166,6 +175,11 @@ class ScanGeometry:
         """Programs sharing the heads of one group in the query/key kernels (divides heads_per_group)."""
         hpg = self.heads_per_group
         return max(d for d in range(1, min(self.config.qk_head_splits, hpg) + 1) if hpg % d == 0)
+
+    @property
+    def angle_sums_by_matmul(self) -> bool:
+        """config.angle_sums == "matmul" and the angle pieces wide enough for tl.dot."""
+        return self.config.angle_sums == "matmul" and self.angle_width >= self.config.min_width
 
     @property
     def rest_width(self) -> int:

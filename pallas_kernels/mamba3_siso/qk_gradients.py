@@ -93,7 +93,7 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt
             refs["d_scale"][:, j] = d_scale
             if rotated:
                 d_angle = angle_gradient(dq_h, x, rotation) + s[:, None] * angle_gradient(dk_h, y, rotation)
-                d_inc = reverse_cumsum(d_angle, axis=0)                                   # [L, Sp]
+                d_inc = reverse_cumsum(d_angle, axis=0, by_matmul=geo.angle_sums_by_matmul)   # [L, Sp]
                 dt_j = refs["dt"][:, j]
                 rate_j = shared if shared_rate else refs["rate"][:, j, :]
                 refs["d_dt"][:, j] = jnp.sum(d_inc * rate_j, axis=1)

@@ -129,7 +129,8 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rat
             rotation = None
             if rotated:
                 rate_j = shared if shared_rate else refs["rate"][:, j, :]
-                angle = chunk_angles(rate_j * refs["dt"][:, j][:, None], refs["theta_entry"][j, :])
+                angle = chunk_angles(rate_j * refs["dt"][:, j][:, None], refs["theta_entry"][j, :],
+                                     by_matmul=geo.angle_sums_by_matmul)
                 refs["theta"][:, j, :] = angle
                 rotation = (jnp.cos(angle), jnp.sin(angle))
             s = refs["scale"][:, j]
