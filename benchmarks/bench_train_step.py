@@ -49,6 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--remat", default="none", choices=sorted(REMAT),
                    help="activation memory: none, layer (recompute each block), dots (keep matmul outputs)")
     p.add_argument("--no-guard", action="store_true", help="build the step with nonfinite_guard=False")
+    p.add_argument("--steady", type=int, default=0, metavar="K",
+                   help="also time K steps dispatched back to back, one block_until_ready at the end (a training "
+                        "loop that does not read metrics every step: dispatch overlaps the previous step)")
     p.add_argument("--devices", type=int, default=1,
                    help="data-parallel over this many devices (global batch = batch-size x devices)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -138,11 +141,19 @@ def bench_one(args, lm, impl):
             state, m = step(state, batches[i % 2])
             jax.block_until_ready((state, m))
             times.append(time.perf_counter() - t)
+        steady_ms = None
+        if args.steady:
+            t = time.perf_counter()
+            for i in range(args.steady):
+                state, m = step(state, batches[i % 2])
+            jax.block_until_ready((state, m))
+            steady_ms = 1e3 * (time.perf_counter() - t) / args.steady
+            print(f"# {impl}: {args.steady} steps back to back (one sync): {steady_ms:.1f} ms/step", flush=True)
         if args.profile:
             state = profile_steps(step, state, batches, args.profile)
     stats = jax.devices()[0].memory_stats() or {}   # device 0 (each device holds the same share)
     return {"impl": impl, "ms": 1e3 * statistics.median(times), "min": 1e3 * min(times), "max": 1e3 * max(times),
-            "compile_s": compile_s, "loss": float(m["loss"]), "peak_gib": stats.get("peak_bytes_in_use", 0) / 2 ** 30,
+            "compile_s": compile_s, "loss": float(m["loss"]), "steady_ms": steady_ms, "peak_gib": stats.get("peak_bytes_in_use", 0) / 2 ** 30,
             "seconds": {"step": statistics.median(times), "compile": compile_s}}
 
 
