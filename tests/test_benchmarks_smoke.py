@@ -19,6 +19,7 @@ EXPECTED = {
     "bench_fused_adamw.py": ("variant", {"optax.adamw", "fused xla"}),
     "bench_mamba1_mixer.py": ("variant", {"fused-pallas", "unfused", "xla"}),
     "bench_mamba3_scan.py": ("impl", {"pallas", "xla", "reference"}),
+    "bench_mosaic_forward.py": ("variant", {"triton", "mosaic c16"}),
     "bench_selective_scan.py": ("impl", {"pallas", "xla", "assoc", "reference"}),
     "bench_train_step.py": ("impl", {"xla"}),
     "profile_kernels.py": ("kernel", {"wall"}),     # no device events off the GPU
