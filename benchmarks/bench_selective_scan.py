@@ -90,8 +90,12 @@ SWEEP_PARALLEL = [
     dataclasses.replace(_P, block_d=16, bwd_block_d=32),
     dataclasses.replace(_P, block_d=64, bwd_block_d=32, parallel_num_warps=8),
 ]
+# `--sweep-set mosaic`: the Mosaic GPU forward prototype (mosaic_forward.py, not yet timed) in the op,
+# at the default chunk and two others (its TMA tile length), backward unchanged.
+SWEEP_MOSAIC = [_D, dataclasses.replace(_D, fwd_mosaic=True), dataclasses.replace(_D, fwd_mosaic=True, chunk=128),
+                dataclasses.replace(_D, fwd_mosaic=True, chunk=32)]
 SWEEP_SETS = {"default": SWEEP, "backward": SWEEP_BACKWARD, "sub-chunk": SWEEP_SUB_CHUNK,
-              "parallel": SWEEP_PARALLEL}
+              "parallel": SWEEP_PARALLEL, "mosaic": SWEEP_MOSAIC}
 
 
 def make_args(shape, dtype=jnp.bfloat16, seed=0):
@@ -327,7 +331,8 @@ def _short(cfg):
             + (" prefetch-bc" if cfg.prefetch_bc else "")
             + (" hide-align" if cfg.hide_channel_alignment else "")
             + (" reuse-decay" if cfg.bwd_reuse_decay else "")
-            + (f" parallel-fwd w{cfg.parallel_num_warps}" if cfg.fwd_parallel else ""))
+            + (f" parallel-fwd w{cfg.parallel_num_warps}" if cfg.fwd_parallel else "")
+            + (" mosaic-fwd" if cfg.fwd_mosaic else ""))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ parameters), and the peak device memory. The PyTorch anchors of earlier runs (do
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -49,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--remat", default="none", choices=sorted(REMAT),
                    help="activation memory: none, layer (recompute each block), dots (keep matmul outputs)")
     p.add_argument("--no-guard", action="store_true", help="build the step with nonfinite_guard=False")
+    p.add_argument("--scan-config", default=None, metavar="K=V,...",
+                   help="Mamba-1 Pallas scan config as ScanBlockConfig fields, e.g. fwd_mosaic=True,chunk=64")
     p.add_argument("--steady", type=int, default=0, metavar="K",
                    help="also time K steps dispatched back to back, one block_until_ready at the end (a training "
                         "loop that does not read metrics every step: dispatch overlaps the previous step)")
@@ -81,9 +84,19 @@ def build(args):
     return jmamba.MambaLM(cfg, args.vocab, rngs=nnx.Rngs(0))
 
 
+@contextlib.contextmanager
 def scan_tuning(args):
-    """The Mamba-3 scan's chunk (a tuning knob of the op; the official 64, 16 for the tiny run)."""
-    return jmamba.ops.tuning("mamba3_siso_scan", chunk_size=16 if args.tiny else 64)
+    """The Mamba-3 scan's chunk (a tuning knob of the op; the official 64, 16 for the tiny run) and,
+    with --scan-config, the Mamba-1 Pallas scan's ScanBlockConfig."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(jmamba.ops.tuning("mamba3_siso_scan", chunk_size=16 if args.tiny else 64))
+        if args.scan_config:
+            from pallas_kernels.selective_scan import ScanBlockConfig
+            fields = dict(kv.split("=") for kv in args.scan_config.split(","))
+            config = ScanBlockConfig(**{k: (v == "True") if v in ("True", "False") else int(v)
+                                        for k, v in fields.items()}).validate()
+            stack.enter_context(jmamba.ops.tuning("selective_scan", pallas_config=config))
+        yield
 
 
 def make_optimizer(args):

@@ -48,6 +48,11 @@ class ScanBlockConfig:
       fwd_parallel: the forward's chunk-outputs pass as a parallel prefix over time
         (forward_parallel.py) instead of a serial walk per lane; off until timed on the GPU.
       parallel_num_warps: Triton warps of that kernel (its [chunk, block_d] tiles are spread over them).
+      fwd_mosaic: the forward as the Mosaic GPU prototype (mosaic_forward.py: one warpgroup per 128
+        channels, the whole sequence per program) where it applies — no reset mask, one B/C group, d a
+        multiple of 128, T a multiple of `chunk`, a CUDA GPU or the interpreter — and the three Triton
+        forward launches elsewhere; the same values up to rounding, the backward unchanged. Off: not
+        yet compiled or timed on the H200.
     """
 
     # Defaults: the best fwd+bwd of the 2026-11-30 H200 sweeps, bwd_sub_chunk from the 2026-12-01
@@ -65,6 +70,7 @@ class ScanBlockConfig:
     bwd_reuse_decay: bool = True
     fwd_parallel: bool = False
     parallel_num_warps: int = 4
+    fwd_mosaic: bool = False
 
     def validate(self) -> "ScanBlockConfig":
         for name in ("block_d", "fwd_unroll", "bwd_sub_chunk", "num_warps", "bwd_block_d", "bwd_num_warps",
@@ -80,7 +86,7 @@ class ScanBlockConfig:
             if self.chunk % getattr(self, name):
                 raise ValueError(f"ScanBlockConfig.chunk ({self.chunk}) must be a multiple of {name} "
                                  f"({getattr(self, name)})")
-        for name in ("prefetch_bc", "hide_channel_alignment", "bwd_reuse_decay", "fwd_parallel"):
+        for name in ("prefetch_bc", "hide_channel_alignment", "bwd_reuse_decay", "fwd_parallel", "fwd_mosaic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ScanBlockConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:

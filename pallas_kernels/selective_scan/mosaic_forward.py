@@ -19,7 +19,8 @@ Per step, float32: δ = softplus_thr(raw + bias) (or raw + bias), ā = exp2(δ·
 y = Σ_n h·C_t + D·u, out = y·z·σ(z) rounded once to u.dtype.
 
 Limits of the prototype (the op's other cases stay on the Triton kernels): one B/C group, no reset mask,
-no initial state, d a multiple of 128, T a multiple of the chunk, n a multiple of 4 (16-byte TMA rows).
+d a multiple of 128, T a multiple of the chunk, n a multiple of 4 (16-byte TMA rows).
+`ScanBlockConfig(fwd_mosaic=True)` makes the Pallas scan's forward use it where these hold (scan.py).
 """
 
 from __future__ import annotations
@@ -69,21 +70,23 @@ def check_supported(u, B, *, chunk):
     return None
 
 
-def mosaic_forward(u, delta, A, B, C, D=None, z=None, delta_bias=None, *, softplus=True, chunk=64,
-                   interpret=False):
+def mosaic_forward(u, delta, A, B, C, D=None, z=None, delta_bias=None, initial_state=None, *, softplus=True,
+                   chunk=64, z_channel_offset=0, interpret=False):
     """The selective scan's forward on one H200 (or the Mosaic GPU interpreter).
 
     Args:
-      u, delta: [Bt, T, d] (bf16, f16 or f32; delta raw, before bias and softplus); z: the same or None.
+      u, delta: [Bt, T, d] (bf16, f16 or f32; delta raw, before bias and softplus).
+      z: [Bt, T, d] gate, or a wider [Bt, T, C] array whose channels [z_channel_offset, + d) are the
+        gate (read in place: in_proj's packed x | z), or None.
       A: [d, n] float32 (negative); B, C: [Bt, T, n] (one group; any float dtype, read as float32).
-      D, delta_bias: [d] or None.
+      D, delta_bias: [d] or None. initial_state: [Bt, d, n] or None (zeros).
       softplus: apply the thresholded softplus to delta + delta_bias.
       chunk: time steps per TMA tile (T must be a multiple).
       interpret: run in the Mosaic GPU interpreter (CPU tests).
 
     Returns:
       (out [Bt, T, d] in u.dtype, final state [Bt, d, n] float32, chunk states [Bt, T/chunk, d, n]
-      float32: the state entering each chunk).
+      float32: the state entering each chunk, δ sums [Bt, T/chunk, d] float32: Σ δ over each chunk).
     """
     reason = check_supported(u, B, chunk=chunk)
     if reason:
@@ -92,19 +95,25 @@ def mosaic_forward(u, delta, A, B, C, D=None, z=None, delta_bias=None, *, softpl
     n = B.shape[-1]
     nc, L = T // chunk, chunk
     has_z, has_D, has_bias = z is not None, D is not None, delta_bias is not None
+    if has_z and (z.shape[:2] != (bsz, T) or z.shape[-1] < z_channel_offset + d
+                  or z_channel_offset % CHANNELS):
+        raise ValueError(f"mosaic_forward: z of shape {z.shape} has no channels [{z_channel_offset}, "
+                         f"{z_channel_offset + d}) at a multiple of {CHANNELS} for u of shape {u.shape}")
+    h0 = jnp.zeros((bsz, d, n), F32) if initial_state is None else initial_state.astype(F32)
     A2 = (A.astype(F32) * LOG2_E)
     B, C = B.astype(F32), C.astype(F32)
     channel_vectors = jnp.stack([(D if has_D else jnp.zeros((d,), F32)).astype(F32),
                                  (delta_bias if has_bias else jnp.zeros((d,), F32)).astype(F32)])   # [2, d]
 
-    def body(u_g, dl_g, z_g, a_g, b_g, c_g, v_g, out_g, final_g, states_g,
-             u_s, dl_s, z_s, a_s, b_s, c_s, v_s, y_s, h_s, bars):
+    def body(u_g, dl_g, z_g, a_g, b_g, c_g, v_g, h0_g, out_g, final_g, states_g, sums_g,
+             u_s, dl_s, z_s, a_s, b_s, c_s, v_s, y_s, h_s, s_s, bars):
         bi = lax.axis_index("b")
         d0 = pl.multiple_of(lax.axis_index("d") * CHANNELS, CHANNELS)
         plgpu.copy_gmem_to_smem(a_g.at[pl.ds(d0, CHANNELS)], a_s, bars.at[5])
         plgpu.copy_gmem_to_smem(v_g.at[:, pl.ds(d0, CHANNELS)], v_s, bars.at[6])
-        plgpu.barrier_wait(bars.at[5])
-        plgpu.barrier_wait(bars.at[6])
+        plgpu.copy_gmem_to_smem(h0_g.at[bi, pl.ds(d0, CHANNELS)], h_s, bars.at[7])
+        for k in (5, 6, 7):
+            plgpu.barrier_wait(bars.at[k])
         a2 = plgpu.load(a_s, layout=ROWS, optimized=False)                            # [128, n]
         d_skip = plgpu.load(v_s.at[0], layout=CHANNEL_ROW, optimized=False)
         bias = plgpu.load(v_s.at[1], layout=CHANNEL_ROW, optimized=False)
@@ -117,7 +126,7 @@ def mosaic_forward(u, delta, A, B, C, D=None, z=None, delta_bias=None, *, softpl
             plgpu.copy_gmem_to_smem(b_g.at[bi, rows], b_s, bars.at[2])
             plgpu.copy_gmem_to_smem(c_g.at[bi, rows], c_s, bars.at[3])
             if has_z:
-                plgpu.copy_gmem_to_smem(z_g.at[bi, rows, pl.ds(d0, CHANNELS)], z_s, bars.at[4])
+                plgpu.copy_gmem_to_smem(z_g.at[bi, rows, pl.ds(z_channel_offset + d0, CHANNELS)], z_s, bars.at[4])
             # the state entering this chunk: registers -> shared memory -> HBM
             h_s[...] = h
             plgpu.commit_smem()
@@ -125,7 +134,8 @@ def mosaic_forward(u, delta, A, B, C, D=None, z=None, delta_bias=None, *, softpl
             for k in range(5 if has_z else 4):
                 plgpu.barrier_wait(bars.at[k])
 
-            def step(t, h):
+            def step(t, carry):
+                h, dsum = carry
                 u_t = plgpu.load(u_s.at[t], layout=CHANNEL_ROW, optimized=False).astype(F32)
                 x = plgpu.load(dl_s.at[t], layout=CHANNEL_ROW, optimized=False).astype(F32) + bias
                 if softplus:
@@ -138,16 +148,18 @@ def mosaic_forward(u, delta, A, B, C, D=None, z=None, delta_bias=None, *, softpl
                     zt = plgpu.load(z_s.at[t], layout=CHANNEL_ROW, optimized=False).astype(F32)
                     y = y * (zt / (1.0 + jnp.exp(-zt)))
                 y_s[t] = y.astype(y_s.dtype)
-                return h
+                return h, dsum + x
 
-            h = lax.fori_loop(0, L, step, h)
+            zero = plgpu.layout_cast(jnp.zeros((CHANNELS,), F32), CHANNEL_ROW)
+            h, dsum = lax.fori_loop(0, L, step, (h, zero))
+            s_s[0] = dsum
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(y_s, out_g.at[bi, rows, pl.ds(d0, CHANNELS)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)          # y_s and h_s reusable
+            plgpu.copy_smem_to_gmem(s_s, sums_g.at[bi, pl.ds(ci, 1), pl.ds(d0, CHANNELS)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)          # y_s, h_s and s_s reusable
             return h
 
-        h0 = plgpu.layout_cast(jnp.zeros((CHANNELS, n), F32), ROWS)
-        h = lax.fori_loop(0, nc, one_chunk, h0)
+        h = lax.fori_loop(0, nc, one_chunk, plgpu.load(h_s, layout=ROWS, optimized=False))
         h_s[...] = h
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(h_s, final_g.at[bi, pl.ds(d0, CHANNELS)])
@@ -157,7 +169,7 @@ def mosaic_forward(u, delta, A, B, C, D=None, z=None, delta_bias=None, *, softpl
     kernel = plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((bsz, T, d), io), jax.ShapeDtypeStruct((bsz, d, n), F32),
-                  jax.ShapeDtypeStruct((bsz, nc, d, n), F32)),
+                  jax.ShapeDtypeStruct((bsz, nc, d, n), F32), jax.ShapeDtypeStruct((bsz, nc, d), F32)),
         grid=(bsz, d // CHANNELS), grid_names=("b", "d"),
         scratch_types=[
             plgpu.SMEM((L, CHANNELS), u.dtype),                     # u rows
@@ -168,9 +180,10 @@ def mosaic_forward(u, delta, A, B, C, D=None, z=None, delta_bias=None, *, softpl
             plgpu.SMEM((L, n), F32),                                # C rows
             plgpu.SMEM((2, CHANNELS), F32),                         # D, delta_bias
             plgpu.SMEM((L, CHANNELS), io),                          # output rows
-            plgpu.SMEM((CHANNELS, n), F32),                         # a state on its way to HBM
-            plgpu.Barrier(num_barriers=7),
+            plgpu.SMEM((CHANNELS, n), F32),                         # a state on its way to / from HBM
+            plgpu.SMEM((1, CHANNELS), F32),                         # a chunk's δ sums on their way to HBM
+            plgpu.Barrier(num_barriers=8),
         ],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    return kernel(u, delta, z if has_z else u, A2, B, C, channel_vectors)
+    return kernel(u, delta, z if has_z else u, A2, B, C, channel_vectors, h0)

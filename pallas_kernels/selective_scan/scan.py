@@ -205,7 +205,27 @@ def _scan(problem, u, delta, A_t, B, C, D, z, bias, h0, keep):
     return out, last
 
 
+def mosaic_applies(problem: ScanProblem, keep) -> bool:
+    """Whether `ScanBlockConfig.fwd_mosaic` runs the Mosaic GPU forward for this call (see config.py)."""
+    from pallas_kernels.selective_scan.mosaic_forward import CHANNELS
+    cfg = problem.config
+    return (cfg.fwd_mosaic and keep is None and problem.group_size == problem.d and problem.d % CHANNELS == 0
+            and problem.padded_seqlen == problem.seqlen and cfg.chunk <= 256 and problem.n % 4 == 0
+            and problem.z_offset % CHANNELS == 0)
+
+
+def _mosaic_scan_forward(problem, u, delta, A_t, B, C, D, z, bias, h0):
+    """The forward through mosaic_forward.py, in the Triton forward's output layout."""
+    from pallas_kernels.selective_scan.mosaic_forward import mosaic_forward
+    out, last, starts, delta_sums = mosaic_forward(
+        u, delta, A_t.T, B[:, :, 0], C[:, :, 0], D, z, bias, jnp.swapaxes(h0, 1, 2), softplus=problem.softplus,
+        chunk=problem.config.chunk, z_channel_offset=problem.z_offset, interpret=problem.interpret)
+    return out, jnp.swapaxes(last, 1, 2), (jnp.swapaxes(starts, 2, 3), delta_sums)
+
+
 def _scan_forward(problem, u, delta, A_t, B, C, D, z, bias, h0, keep):
+    if mosaic_applies(problem, keep):
+        return _mosaic_scan_forward(problem, u, delta, A_t, B, C, D, z, bias, h0)
     ops = kernel_operands(u, delta, A_t, B, C, D, z, bias, keep)
     local_end, delta_sums = forward.chunk_summaries(problem, ops)
     starts, last = combine.chunk_states(problem, ops["A_t"], local_end, delta_sums, _keep_per_chunk(problem, keep), h0,
