@@ -90,10 +90,11 @@ SWEEP_PARALLEL = [
     dataclasses.replace(_P, block_d=16, bwd_block_d=32),
     dataclasses.replace(_P, block_d=64, bwd_block_d=32, parallel_num_warps=8),
 ]
-# `--sweep-set mosaic`: the Mosaic GPU forward prototype (mosaic_forward.py, not yet timed) in the op,
-# at the default chunk and two others (its TMA tile length), backward unchanged.
+# `--sweep-set mosaic`: the Mosaic GPU prototypes (mosaic_forward.py, mosaic_backward.py, not yet timed)
+# in the op: forward alone (at the default chunk, its TMA tile length, and two others), backward alone, both.
 SWEEP_MOSAIC = [_D, dataclasses.replace(_D, fwd_mosaic=True), dataclasses.replace(_D, fwd_mosaic=True, chunk=128),
-                dataclasses.replace(_D, fwd_mosaic=True, chunk=32)]
+                dataclasses.replace(_D, fwd_mosaic=True, chunk=32), dataclasses.replace(_D, bwd_mosaic=True),
+                dataclasses.replace(_D, fwd_mosaic=True, bwd_mosaic=True)]
 SWEEP_SETS = {"default": SWEEP, "backward": SWEEP_BACKWARD, "sub-chunk": SWEEP_SUB_CHUNK,
               "parallel": SWEEP_PARALLEL, "mosaic": SWEEP_MOSAIC}
 
@@ -332,7 +333,7 @@ def _short(cfg):
             + (" hide-align" if cfg.hide_channel_alignment else "")
             + (" reuse-decay" if cfg.bwd_reuse_decay else "")
             + (f" parallel-fwd w{cfg.parallel_num_warps}" if cfg.fwd_parallel else "")
-            + (" mosaic-fwd" if cfg.fwd_mosaic else ""))
+            + (" mosaic-fwd" if cfg.fwd_mosaic else "") + (" mosaic-bwd" if cfg.bwd_mosaic else ""))
 
 
 if __name__ == "__main__":

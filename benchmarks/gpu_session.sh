@@ -7,8 +7,8 @@
 #                                                  mixer_bench scan_sweep e2e1_dump e2e3_dump (profile + optimized HLO)
 #                                                  conv_bench tests_m1 scan_parallel e2e3_prof gpu_auto
 #                                                  e2e1_nocb e2e1_cb (command buffers off / widened, XLA_FLAGS)
-#                                                  mosaic_fwd (the Mosaic GPU forward prototype: GPU test + timing,
-#                                                  the op with it) e2e1_mosaic (the train step with it)
+#                                                  mosaic_fwd (the Mosaic GPU scan prototypes: GPU tests, forward
+#                                                  timing, the op's sweep) e2e1_mosaic (the train step with both)
 #                                                  side_train3 side_train1 (the PyTorch train anchor, one model each;
 #                                                  side_train3 needs only the selective-scan extension)
 # anchors_* / side_*: the official kernels and PyTorch model (the anchors folder copied to .anchors, carried):
@@ -92,10 +92,10 @@ for s in $stages; do case $s in
   e2e1_nocb)   XLA_FLAGS="--xla_gpu_enable_command_buffer=" run e2e_mamba1_no_command_buffers 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 ;;
   e2e1_cb)     XLA_FLAGS="--xla_gpu_enable_command_buffer=+CUSTOM_CALL,+CUBLASLT,+CUBLAS,+FUSION --xla_gpu_graph_min_graph_size=1" run e2e_mamba1_more_command_buffers 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 ;;
   gpu_auto)    run gpu_tests_auto 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_selective_scan_pallas.py -k automatic_choice ;;
-  mosaic_fwd)  run gpu_tests_mosaic 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_selective_scan_mosaic.py ;
+  mosaic_fwd)  run gpu_tests_mosaic 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_selective_scan_mosaic.py ;
                run mosaic_forward_bench 150 python3 benchmarks/bench_mosaic_forward.py ;
                run scan_sweep_mosaic 200 python3 benchmarks/bench_selective_scan.py --sweep --sweep-set mosaic --shapes b8t2048 --impls pallas --iters 10 ;;
-  e2e1_mosaic) run e2e_mamba1_mosaic_forward 170 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config fwd_mosaic=True --profile 3 ;;
+  e2e1_mosaic) run e2e_mamba1_mosaic_forward 170 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config fwd_mosaic=True,bwd_mosaic=True --profile 3 ;;
   e2e1_long)   run e2e_mamba1_long 170 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 5 --warmup 2 --batch-size 1 --seq-len 65536 ;;
 esac; done
 echo "=== done ==="

@@ -18,6 +18,7 @@ SLOW_FILES_FIRST = (
     "test_checkpoint.py",           # ~85 s: subprocesses
     "test_lm_generate.py",          # ~55 s: the main job
     "test_mamba1_mixer_core.py",    # ~85 s: the Pallas interpreter (scan + conv kernels)
+    "test_selective_scan_mosaic.py",   # ~85 s: the Mosaic GPU interpreter and CUDA lowerings
     "test_mamba1_backbone.py",
     "test_benchmarks_smoke.py",
     "test_examples.py",

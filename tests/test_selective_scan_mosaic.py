@@ -13,7 +13,9 @@ import pytest
 
 from jmamba.ops.selective_scan.reference import selective_scan_reference
 from pallas_kernels.selective_scan.kernel_math import softplus_thresholded
+from pallas_kernels.selective_scan import mosaic_backward as backward_module
 from pallas_kernels.selective_scan import mosaic_forward as mosaic_module
+from pallas_kernels.selective_scan.mosaic_backward import mosaic_backward
 from pallas_kernels.selective_scan.mosaic_forward import mosaic_forward
 from pallas_kernels.selective_scan.mosaic_forward import softplus_thresholded as mosaic_softplus
 
@@ -114,18 +116,26 @@ def test_gpu_values_and_states_match_reference_at_the_benchmark_shape():
     check(make_inputs(8, 2048, 1536, 16, jnp.bfloat16), softplus=True, chunk=64, tol=1e-2, interpret=False)
 
 
-def test_fwd_mosaic_config_gives_the_triton_scan_values_and_gradients():
-    """ScanBlockConfig(fwd_mosaic=True): the Pallas scan's forward through the Mosaic kernel, its backward
-    (Triton) from the Mosaic chunk states: values and every cotangent as with the Triton forward."""
-    compare_fwd_mosaic_with_triton((2, 64, 128, 16), jnp.float32, chunk=16, interpret=True, tol=1e-5)
+MOSAIC_CONFIGS = [dict(fwd_mosaic=True), dict(bwd_mosaic=True), dict(fwd_mosaic=True, bwd_mosaic=True)]
+MOSAIC_IDS = ["forward", "backward", "both"]
+
+
+@pytest.mark.parametrize("fields", MOSAIC_CONFIGS, ids=MOSAIC_IDS)
+def test_mosaic_configs_give_the_triton_scan_values_and_gradients(fields):
+    """ScanBlockConfig(fwd_mosaic / bwd_mosaic): the Pallas scan with the Mosaic forward (its chunk states
+    feeding the Triton backward), the Mosaic backward (after the Triton forward), or both: values and
+    every cotangent (incl. the initial state's) as with the Triton kernels."""
+    compare_fwd_mosaic_with_triton((2, 64, 128, 16), jnp.float32, chunk=16, interpret=True, tol=1e-5, fields=fields)
 
 
 @pytest.mark.gpu
-def test_gpu_fwd_mosaic_config_gives_the_triton_scan_values_and_gradients():
-    compare_fwd_mosaic_with_triton((8, 2048, 1536, 16), jnp.bfloat16, chunk=64, interpret=False, tol=2e-2)
+@pytest.mark.parametrize("fields", MOSAIC_CONFIGS, ids=MOSAIC_IDS)
+def test_gpu_mosaic_configs_give_the_triton_scan_values_and_gradients(fields):
+    compare_fwd_mosaic_with_triton((8, 2048, 1536, 16), jnp.bfloat16, chunk=64, interpret=False, tol=2e-2,
+                                   fields=fields)
 
 
-def compare_fwd_mosaic_with_triton(shape, dtype, *, chunk, interpret, tol):
+def compare_fwd_mosaic_with_triton(shape, dtype, *, chunk, interpret, tol, fields):
     import dataclasses
 
     from pallas_kernels.selective_scan import DEFAULT_CONFIG
@@ -144,7 +154,7 @@ def compare_fwd_mosaic_with_triton(shape, dtype, *, chunk, interpret, tol):
         return jnp.sum(out * out) + jnp.sum(last * last), (out, last)
 
     grad = lambda cfg: jax.jit(jax.value_and_grad(functools.partial(loss, cfg), argnums=(0, 1), has_aux=True))(a, h0)
-    (_, (out_m, last_m)), g_m = grad(dataclasses.replace(base, fwd_mosaic=True))
+    (_, (out_m, last_m)), g_m = grad(dataclasses.replace(base, **fields))
     (_, (out_t, last_t)), g_t = grad(base)
     scaled = lambda x, y: float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))
                                 / max(float(np.max(np.abs(np.asarray(y, np.float64)))), 1e-30))
@@ -171,10 +181,10 @@ def test_fwd_mosaic_config_is_used_only_where_it_applies():
                                            delta_softplus=True, config=ScanBlockConfig(chunk=16)), None)   # off
 
 
-def test_fwd_mosaic_through_the_fused_mamba1_mixer_core_with_packed_xz():
+def test_mosaic_through_the_fused_mamba1_mixer_core_with_packed_xz():
     """The train step's path: the mixer core op with the packed [x | z] in_proj output (the gate read in
-    place at channel offset E) and fwd_mosaic set through jmamba.ops.tuning: values and gradients as
-    with the Triton forward (CPU: both interpreted)."""
+    place at channel offset E) and fwd_mosaic + bwd_mosaic set through jmamba.ops.tuning: values and
+    gradients as with the Triton kernels (CPU: both interpreted)."""
     import dataclasses
 
     from jmamba import ops
@@ -198,10 +208,13 @@ def test_fwd_mosaic_through_the_fused_mamba1_mixer_core_with_packed_xz():
     base = dataclasses.replace(DEFAULT_CONFIG, chunk=16)
     run = lambda cfg: jax.value_and_grad(functools.partial(loss, cfg), argnums=(0, 1), has_aux=True)(xz, params)
     calls = []
-    real = mosaic_module.mosaic_forward
-    with mock.patch.object(mosaic_module, "mosaic_forward", lambda *a, **k: calls.append(k) or real(*a, **k)):
-        (_, y_m), g_m = run(dataclasses.replace(base, fwd_mosaic=True))
-        assert calls and calls[0]["z_channel_offset"] == E        # the Mosaic forward ran, gate read in place
+    real_f, real_b = mosaic_module.mosaic_forward, backward_module.mosaic_backward
+    with mock.patch.object(mosaic_module, "mosaic_forward", lambda *a, **k: calls.append(("f", k)) or real_f(*a, **k)), \
+            mock.patch.object(backward_module, "mosaic_backward", lambda *a, **k: calls.append(("b", k)) or real_b(*a, **k)):
+        (_, y_m), g_m = run(dataclasses.replace(base, fwd_mosaic=True, bwd_mosaic=True))
+        kinds = [c[0] for c in calls]
+        assert "f" in kinds and "b" in kinds                  # both Mosaic kernels ran, the gate read in place
+        assert all(k["z_channel_offset"] == E for _, k in calls)
         calls.clear()
         (_, y_t), g_t = run(base)
         assert not calls
@@ -209,3 +222,61 @@ def test_fwd_mosaic_through_the_fused_mamba1_mixer_core_with_packed_xz():
     for leaf_m, leaf_t in zip(jax.tree.leaves(g_m), jax.tree.leaves(g_t)):
         np.testing.assert_allclose(np.asarray(leaf_m), np.asarray(leaf_t), rtol=1e-4,
                                    atol=1e-5 * max(np.abs(leaf_t).max(), 1.0))
+
+
+def backward_cases():
+    return [((1, 16, 128, 16), jnp.float32, {}, True, 2e-5),
+            ((2, 16, 256, 8), jnp.bfloat16, dict(with_D=False), True, 2e-2),
+            ((1, 24, 128, 16), jnp.float32, dict(with_z=False, with_D=False, with_bias=False, raw_delta=False), False,
+             2e-5)]
+
+
+@pytest.mark.parametrize("shape,dtype,options,softplus,tol", backward_cases(), ids=["f32", "bf16-no-D", "f32-bare"])
+def test_interpreted_backward_matches_the_reference_vjp(shape, dtype, options, softplus, tol):
+    """Every cotangent of mosaic_backward (incl. the initial state's) against JAX's VJP of the reference."""
+    check_backward(shape, dtype, options, softplus, tol, interpret=True)
+
+
+def check_backward(shape, dtype, options, softplus, tol, *, interpret):
+    bsz, T, d, n = shape
+    a = make_inputs(bsz, T, d, n, dtype, seed=2, **options)
+    r = np.random.default_rng(3)
+    h0 = jnp.asarray(r.normal(size=(bsz, d, n)) * 0.1, jnp.float32)
+    d_out = jnp.asarray(r.normal(size=(bsz, T, d)), dtype)
+    d_fin = jnp.asarray(r.normal(size=(bsz, d, n)), jnp.float32)
+    primals = (a["u"], a["delta"], a["A"], a["B"], a["C"], a["D"], a["z"], a["delta_bias"], h0)
+
+    def ref(u, delta, A, B, C, D, z, bias, h0):
+        f32 = lambda x: None if x is None else x.astype(jnp.float32)
+        return selective_scan_reference(f32(u), f32(delta), A, f32(B)[:, :, None], f32(C)[:, :, None], D, f32(z), bias,
+                                        h0, None, delta_softplus=softplus)
+
+    _, vjp = jax.vjp(ref, *primals)
+    want = vjp((d_out.astype(jnp.float32), d_fin))
+    got = jax.jit(lambda *p: mosaic_backward(*p, d_out, d_fin, softplus=softplus, interpret=interpret))(*primals)
+    names = ("du", "d_delta", "dA", "dB", "dC", "dD", "dz", "d_delta_bias", "d_initial_state")
+    for name, g, w, p in zip(names, got, want, primals[:8] + (h0,)):
+        if p is None:
+            assert g is None, name
+            continue
+        assert g.shape == p.shape, name
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        assert np.abs(g - w).max() <= tol * max(np.abs(w).max(), 1e-30), name
+
+
+@pytest.mark.parametrize("dtype,with_z,with_D", [(jnp.bfloat16, True, True), (jnp.float32, False, False)])
+def test_backward_lowers_for_cuda_at_the_benchmark_shape(dtype, with_z, with_D):
+    S = jax.ShapeDtypeStruct
+    bsz, T, d, n = 8, 2048, 1536, 16
+    act = S((bsz, T, d), dtype)
+    args = (act, act, S((d, n), jnp.float32), S((bsz, T, n), dtype), S((bsz, T, n), dtype),
+            S((d,), jnp.float32) if with_D else None, act if with_z else None, S((d,), jnp.float32), None, act,
+            S((bsz, d, n), jnp.float32))
+    text = jax.jit(lambda *a: mosaic_backward(*a, softplus=True)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+def test_gpu_backward_matches_the_reference_vjp_at_the_benchmark_shape():
+    check_backward((8, 2048, 1536, 16), jnp.bfloat16, {}, True, 3e-2, interpret=False)

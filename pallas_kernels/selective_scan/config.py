@@ -53,6 +53,10 @@ class ScanBlockConfig:
         multiple of 128, T a multiple of `chunk`, a CUDA GPU or the interpreter — and the three Triton
         forward launches elsewhere; the same values up to rounding, the backward unchanged. Off: not
         yet compiled or timed on the H200.
+      bwd_mosaic: the backward as the Mosaic GPU prototype (mosaic_backward.py: the forward again in
+        8-step chunks, then one reverse kernel, thread per channel) where it applies (fwd_mosaic's
+        conditions, T a multiple of 8, 8·n <= 256), the three Triton backward launches elsewhere; the
+        same values up to rounding. Off: not yet compiled or timed on the H200.
     """
 
     # Defaults: the best fwd+bwd of the 2026-11-30 H200 sweeps, bwd_sub_chunk from the 2026-12-01
@@ -71,6 +75,7 @@ class ScanBlockConfig:
     fwd_parallel: bool = False
     parallel_num_warps: int = 4
     fwd_mosaic: bool = False
+    bwd_mosaic: bool = False
 
     def validate(self) -> "ScanBlockConfig":
         for name in ("block_d", "fwd_unroll", "bwd_sub_chunk", "num_warps", "bwd_block_d", "bwd_num_warps",
@@ -86,7 +91,8 @@ class ScanBlockConfig:
             if self.chunk % getattr(self, name):
                 raise ValueError(f"ScanBlockConfig.chunk ({self.chunk}) must be a multiple of {name} "
                                  f"({getattr(self, name)})")
-        for name in ("prefetch_bc", "hide_channel_alignment", "bwd_reuse_decay", "fwd_parallel", "fwd_mosaic"):
+        for name in ("prefetch_bc", "hide_channel_alignment", "bwd_reuse_decay", "fwd_parallel", "fwd_mosaic",
+                     "bwd_mosaic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ScanBlockConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:

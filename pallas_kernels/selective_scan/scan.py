@@ -205,13 +205,18 @@ def _scan(problem, u, delta, A_t, B, C, D, z, bias, h0, keep):
     return out, last
 
 
-def mosaic_applies(problem: ScanProblem, keep) -> bool:
-    """Whether `ScanBlockConfig.fwd_mosaic` runs the Mosaic GPU forward for this call (see config.py)."""
+def mosaic_applies(problem: ScanProblem, keep, *, backward=False) -> bool:
+    """Whether `ScanBlockConfig.fwd_mosaic` (`bwd_mosaic` with backward=True) runs the Mosaic GPU kernels
+    for this call (see config.py)."""
+    from pallas_kernels.selective_scan.mosaic_backward import SUB
     from pallas_kernels.selective_scan.mosaic_forward import CHANNELS
     cfg = problem.config
-    return (cfg.fwd_mosaic and keep is None and problem.group_size == problem.d and problem.d % CHANNELS == 0
-            and problem.padded_seqlen == problem.seqlen and cfg.chunk <= 256 and problem.n % 4 == 0
-            and problem.z_offset % CHANNELS == 0)
+    common = (keep is None and problem.group_size == problem.d and problem.d % CHANNELS == 0
+              and problem.padded_seqlen == problem.seqlen and cfg.chunk <= 256 and problem.n % 4 == 0
+              and problem.z_offset % CHANNELS == 0)
+    if backward:
+        return cfg.bwd_mosaic and common and problem.seqlen % SUB == 0 and SUB * problem.n <= 256
+    return cfg.fwd_mosaic and common
 
 
 def _mosaic_scan_forward(problem, u, delta, A_t, B, C, D, z, bias, h0):
@@ -243,10 +248,24 @@ def _scan_fwd(problem, u, delta, A_t, B, C, D, z, bias, h0, keep):
     return (out, last), (u, delta, A_t, B, C, D, z, bias, keep, starts, delta_sums)
 
 
+def _mosaic_scan_bwd(problem, u, delta, A_t, B, C, D, z, bias, starts, d_out, d_last):
+    """The backward through mosaic_backward.py (its forward recomputation starts from the state entering
+    chunk 0, i.e. h0), in the Triton backward's output layout."""
+    from pallas_kernels.selective_scan.mosaic_backward import mosaic_backward
+    du, dd, dA, dB, dC, dD, dz, d_bias, dh0 = mosaic_backward(
+        u, delta, A_t.T, B[:, :, 0], C[:, :, 0], D, z, bias, jnp.swapaxes(starts[:, 0], 1, 2), d_out.astype(u.dtype),
+        jnp.swapaxes(d_last.astype(F32), 1, 2), softplus=problem.softplus, z_channel_offset=problem.z_offset,
+        interpret=problem.interpret)
+    return (du, dd, dA.T, dB[:, :, None].astype(B.dtype), dC[:, :, None].astype(C.dtype), dD, dz, d_bias,
+            jnp.swapaxes(dh0, 1, 2), None)
+
+
 def _scan_bwd(problem, residuals, cotangents):
     problem = problem.for_backward()
     u, delta, A_t, B, C, D, z, bias, keep, starts, delta_sums = residuals
     d_out, d_last = cotangents
+    if mosaic_applies(problem, keep, backward=True):
+        return _mosaic_scan_bwd(problem, u, delta, A_t, B, C, D, z, bias, starts, d_out, d_last)
     ops = kernel_operands(u, delta, A_t, B, C, D, z, bias, keep, d_out=d_out.astype(u.dtype))
     local_adjoint, sub_adjoint, sub_right_delta = backward.adjoint_summaries(problem, ops)
     right_adjoints, d_h0 = combine.chunk_states(problem, ops["A_t"], local_adjoint, delta_sums,
