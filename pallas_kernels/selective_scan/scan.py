@@ -208,15 +208,17 @@ def _scan(problem, u, delta, A_t, B, C, D, z, bias, h0, keep):
 def mosaic_applies(problem: ScanProblem, keep, *, backward=False) -> bool:
     """Whether `ScanBlockConfig.fwd_mosaic` (`bwd_mosaic` with backward=True) runs the Mosaic GPU kernels
     for this call (see config.py)."""
+    cfg = problem.config
+    if not (cfg.bwd_mosaic if backward else cfg.fwd_mosaic):
+        return False                      # (the Mosaic GPU backend is imported only when asked for)
     from pallas_kernels.selective_scan.mosaic_backward import SUB
     from pallas_kernels.selective_scan.mosaic_forward import CHANNELS
-    cfg = problem.config
     common = (keep is None and problem.group_size == problem.d and problem.d % CHANNELS == 0
               and problem.padded_seqlen == problem.seqlen and cfg.chunk <= 256 and problem.n % 4 == 0
               and problem.z_offset % CHANNELS == 0)
     if backward:
-        return cfg.bwd_mosaic and common and problem.seqlen % SUB == 0 and SUB * problem.n <= 256
-    return cfg.fwd_mosaic and common
+        return common and problem.seqlen % SUB == 0 and SUB * problem.n <= 256
+    return common
 
 
 def _mosaic_scan_forward(problem, u, delta, A_t, B, C, D, z, bias, h0):
