@@ -2,9 +2,9 @@
 
 Status: verified on CPU only — values in the Mosaic GPU interpreter against the op's reference, and the
 real Pallas -> Mosaic GPU lowering for CUDA (layout inference, TMA shape rules, the shared-memory
-budget) on an abstract sm_90 — not yet compiled by ptxas, run or timed on an H200. Nothing dispatches to
-it; `benchmarks/bench_mosaic_forward.py` times it beside the Triton forward, and
-tests/test_selective_scan_mosaic.py holds its GPU test. Why it exists: the Triton kernels walk each
+budget) on an abstract sm_90 — not yet compiled by ptxas, run or timed on an H200. It runs only when
+asked for (`ScanBlockConfig(fwd_mosaic=True)`, below); `benchmarks/bench_mosaic_forward.py` times it
+beside the Triton forward, and tests/test_selective_scan_mosaic.py holds its GPU tests. Why it exists: the Triton kernels walk each
 (channel block, chunk) with a 1-warp program whose layout Triton chooses; here the layout is chosen
 (benchmarks/notes_training_step.md, "after session 14", item 1).
 
