@@ -125,7 +125,7 @@ def test_mosaic_configs_give_the_triton_scan_values_and_gradients(fields):
     """ScanBlockConfig(fwd_mosaic / bwd_mosaic): the Pallas scan with the Mosaic forward (its chunk states
     feeding the Triton backward), the Mosaic backward (after the Triton forward), or both: values and
     every cotangent (incl. the initial state's) as with the Triton kernels."""
-    compare_fwd_mosaic_with_triton((2, 64, 128, 16), jnp.float32, chunk=16, interpret=True, tol=1e-5, fields=fields)
+    compare_fwd_mosaic_with_triton((1, 32, 128, 16), jnp.float32, chunk=16, interpret=True, tol=1e-5, fields=fields)
 
 
 @pytest.mark.gpu
@@ -264,7 +264,7 @@ def check_backward(shape, dtype, options, softplus, tol, *, interpret):
         assert np.abs(g - w).max() <= tol * max(np.abs(w).max(), 1e-30), name
 
 
-@pytest.mark.parametrize("dtype,with_z,with_D", [(jnp.bfloat16, True, True), (jnp.float32, False, False)])
+@pytest.mark.parametrize("dtype,with_z,with_D", [(jnp.bfloat16, True, True)])
 def test_backward_lowers_for_cuda_at_the_benchmark_shape(dtype, with_z, with_D):
     S = jax.ShapeDtypeStruct
     bsz, T, d, n = 8, 2048, 1536, 16
