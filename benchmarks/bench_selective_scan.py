@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.measure import fmt_time, rel, timed  # noqa: E402
+from benchmarks.measure import fmt_time, rel, scan_config, timed  # noqa: E402
 
 from jmamba.ops import selective_scan  # noqa: E402
 from jmamba.ops.selective_scan.common import prepare_delta  # noqa: E402
@@ -242,9 +242,7 @@ def main(argv=None):
         base_config = DEFAULT_CONFIG
         sweep = SWEEP_SETS[a.sweep_set] if a.sweep else []
     if a.config:
-        fields = {k: v for k, v in (kv.split("=") for kv in a.config.split(","))}
-        base_config = ScanBlockConfig(**{k: (v == "True") if v in ("True", "False") else int(v)
-                                         for k, v in fields.items()}).validate()
+        base_config = scan_config(a.config)
     impls = a.impls.split(",")
     records = []
 

@@ -91,11 +91,8 @@ def scan_tuning(args):
     with contextlib.ExitStack() as stack:
         stack.enter_context(jmamba.ops.tuning("mamba3_siso_scan", chunk_size=16 if args.tiny else 64))
         if args.scan_config:
-            from pallas_kernels.selective_scan import ScanBlockConfig
-            fields = dict(kv.split("=") for kv in args.scan_config.split(","))
-            config = ScanBlockConfig(**{k: (v == "True") if v in ("True", "False") else int(v)
-                                        for k, v in fields.items()}).validate()
-            stack.enter_context(jmamba.ops.tuning("selective_scan", pallas_config=config))
+            from benchmarks.measure import scan_config
+            stack.enter_context(jmamba.ops.tuning("selective_scan", pallas_config=scan_config(args.scan_config)))
         yield
 
 

@@ -28,6 +28,14 @@ def rel(a, b):
     return float(np.max(np.abs(a - b), initial=0.0) / max(np.max(np.abs(b), initial=0.0), 1e-30))
 
 
+def scan_config(text):
+    """A `pallas_kernels.selective_scan.ScanBlockConfig` from "field=value,..." (ints; True / False)."""
+    from pallas_kernels.selective_scan import ScanBlockConfig
+    fields = dict(kv.split("=") for kv in text.split(","))
+    return ScanBlockConfig(**{k: (v == "True") if v in ("True", "False") else int(v)
+                              for k, v in fields.items()}).validate()
+
+
 def fmt_time(t):
     """'median (min–max)' in ms from a (median, min, max) tuple of seconds."""
     med, lo, hi = t

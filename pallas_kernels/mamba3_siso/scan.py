@@ -90,7 +90,7 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, skip, ADT, rate, dt, angle0, s0
         to_kernel_layout(geo, Q_bias.astype(F32)), to_kernel_layout(geo, K_bias.astype(F32)),
         _pad_time(geo, scale), rate, dt, theta_entry,
         _pad_headdim(geo, _pad_time(geo, V)), None if Z is None else _pad_headdim(geo, _pad_time(geo, Z)),
-        _sequence(geo, ADT.astype(F32)), _sequence(geo, skip),
+        _pad_time(geo, ADT.astype(F32)), _pad_time(geo, skip),       # zero padding: ADT = 0 is the identity decay
         _pad_headdim(geo, to_kernel_layout(geo, s0), axis=2))
     out, final = chunked_core(geo, *core_args)
     return out[:, :T, :, :P], from_kernel_layout(geo, final[:, :, :P]), theta_final
@@ -130,7 +130,3 @@ def _pad_headdim(geo: ScanGeometry, x, axis=3):
     """The headdim axis (3 of [Bt, Tp, H, P], 2 of a state [Bt, H, P, N]) zero-padded from P to Pp."""
     return pad_axis_to(x, axis, geo.padded_headdim)
 
-
-def _sequence(geo: ScanGeometry, x):
-    """[Bt, T, H] -> [Bt, Tp, H] (zero padding: ADT = 0 is the identity decay, s = skip = 0)."""
-    return _pad_time(geo, x)

@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.selective_scan.kernel_math import SOFTPLUS_THRESHOLD
+from pallas_kernels.selective_scan.kernel_math import sigmoid, softplus_thresholded_grad
 from pallas_kernels.selective_scan.mosaic_forward import (
     CHANNEL_ROW, CHANNELS, LOG2_E, ROWS, STATE_ROW, check_supported, mosaic_forward, softplus_thresholded)
 
@@ -106,7 +106,7 @@ def mosaic_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, d_out, d
             gy, zt, sz = row(do_s, t), None, None
             if has_z:
                 zt = row(z_s, t)
-                sz = 1.0 / (1.0 + jnp.exp(-zt))
+                sz = sigmoid(zt)
                 gy = gy * zt * sz
             return raw, dl, gy, zt, sz
 
@@ -161,7 +161,7 @@ def mosaic_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, d_out, d
                 hb = jnp.sum(dh * b_t[None, :], axis=1)
                 x = dh * decay * h_prev
                 d_dl = u_t * hb + LN_2 * jnp.sum(a2 * x, axis=1)
-                d_raw = d_dl * jnp.where(raw > SOFTPLUS_THRESHOLD, 1.0, 1.0 / (1.0 + jnp.exp(-raw))) if softplus else d_dl
+                d_raw = d_dl * softplus_thresholded_grad(raw) if softplus else d_dl
                 du_s[t] = (dl * hb + d_skip * gy).astype(du_s.dtype)
                 dd_s[t] = d_raw.astype(dd_s.dtype)
                 if has_z:

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.selective_scan.kernel_math import SOFTPLUS_THRESHOLD
+from pallas_kernels.selective_scan.kernel_math import SOFTPLUS_THRESHOLD, sigmoid
 
 F32 = jnp.float32
 CHANNELS = 128                                    # one warpgroup, one channel per thread
@@ -146,7 +146,7 @@ def mosaic_forward(u, delta, A, B, C, D=None, z=None, delta_bias=None, initial_s
                 y = jnp.sum(h * c_t[None, :], axis=1) + d_skip * u_t
                 if has_z:
                     zt = plgpu.load(z_s.at[t], layout=CHANNEL_ROW, optimized=False).astype(F32)
-                    y = y * (zt / (1.0 + jnp.exp(-zt)))
+                    y = y * (zt * sigmoid(zt))
                 y_s[t] = y.astype(y_s.dtype)
                 return h, dsum + x
 
