@@ -8,7 +8,8 @@
 #                                                  conv_bench tests_m1 scan_parallel e2e3_prof gpu_auto
 #                                                  e2e1_nocb e2e1_cb (command buffers off / widened, XLA_FLAGS)
 #                                                  mosaic_fwd (the Mosaic GPU scan prototypes: GPU tests, forward
-#                                                  timing, the op's sweep) e2e1_mosaic (the train step with both)
+#                                                  timing, the op's sweep; mosaic_tests / mosaic_bench: the
+#                                                  first two alone) e2e1_mosaic (the train step with both)
 #                                                  side_train3 side_train1 (the PyTorch train anchor, one model each;
 #                                                  side_train3 needs only the selective-scan extension)
 # anchors_* / side_*: the official kernels and PyTorch model (the anchors folder copied to .anchors, carried):
@@ -95,6 +96,8 @@ for s in $stages; do case $s in
   mosaic_fwd)  run gpu_tests_mosaic 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_selective_scan_mosaic.py ;
                run mosaic_forward_bench 150 python3 benchmarks/bench_mosaic_forward.py ;
                run scan_sweep_mosaic 200 python3 benchmarks/bench_selective_scan.py --sweep --sweep-set mosaic --shapes b8t2048 --impls pallas --iters 10 ;;
+  mosaic_tests) run gpu_tests_mosaic 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_selective_scan_mosaic.py ;;
+  mosaic_bench) run mosaic_forward_bench 100 python3 benchmarks/bench_mosaic_forward.py ;;
   e2e1_mosaic) run e2e_mamba1_mosaic_forward 170 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config fwd_mosaic=True,bwd_mosaic=True --profile 3 ;;
   e2e1_long)   run e2e_mamba1_long 170 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 5 --warmup 2 --batch-size 1 --seq-len 65536 ;;
 esac; done
