@@ -10,6 +10,7 @@
 #                                                  mosaic_fwd (the Mosaic GPU scan prototypes: GPU tests, forward
 #                                                  timing, the op's sweep; mosaic_tests / mosaic_bench: the
 #                                                  first two alone) e2e1_mosaic (the train step with both)
+#                                                  seq_bench (the sequence-sharded scans' per-device overhead)
 #                                                  side_train3 side_train1 (the PyTorch train anchor, one model each;
 #                                                  side_train3 needs only the selective-scan extension)
 # anchors_* / side_*: the official kernels and PyTorch model (the anchors folder copied to .anchors, carried):
@@ -99,6 +100,7 @@ for s in $stages; do case $s in
   mosaic_tests) run gpu_tests_mosaic 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_selective_scan_mosaic.py ;;
   mosaic_bench) run mosaic_forward_bench 100 python3 benchmarks/bench_mosaic_forward.py ;;
   e2e1_mosaic) run e2e_mamba1_mosaic_forward 170 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config fwd_mosaic=True,bwd_mosaic=True --profile 3 ;;
+  seq_bench)   run sequence_parallel_overhead 200 python3 benchmarks/bench_sequence_parallel.py ;;
   e2e1_long)   run e2e_mamba1_long 170 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 5 --warmup 2 --batch-size 1 --seq-len 65536 ;;
 esac; done
 echo "=== done ==="

@@ -12,7 +12,9 @@ Both scan ops share one calling convention: arrays positional; options keyword-o
 names (`initial_state`, `return_final_state`, `reset`, `implementation`, `tuning`); the result is
 `out` or `(out, state)` with a NamedTuple state. `implementation=None` picks the best available on
 the current backend (see `dispatch`); tuning knobs (chunk sizes, kernel configs) are per-op
-settings (see `tuning`), never model config.
+settings (see `tuning`), never model config. Under a mesh with a `data` axis the ops run per device on
+its batch rows (`batch_sharding`); with a `seq` axis the scans split the time axis as well and pass
+their states between the shards (`sequence_sharding`, docs/sequence_parallel.md).
 """
 
 import warnings as _warnings

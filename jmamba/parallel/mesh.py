@@ -1,14 +1,18 @@
-"""Meshes and shardings for data-parallel training.
+"""Meshes and shardings for data-parallel and sequence-parallel training.
 
     mesh  = make_data_mesh()                      # all devices on one `data` axis (all hosts' devices
                                                   # after jax.distributed.initialize())
+    mesh  = make_mesh(data=2, seq=4)              # 2-D: batch rows over `data`, each sequence's time
+                                                  # axis over `seq` (docs/sequence_parallel.md)
     state = shard_state(TrainState.create(...), mesh, fsdp=False)
     step  = make_train_step(model, opt, loss_fn=..., mesh=mesh)     # same step, now SPMD
     state, metrics = step(state, batch)           # batch: global batch, split over `data`
 
 Placement, read from each state field's `placement` metadata (so this module needs no knowledge of
 the training layer; `TrainState` declares it):
-  * "rows" (batch and recurrent state): the leading (batch) axis is split over `data`;
+  * "rows" (batch and recurrent state): the leading (batch) axis is split over `data`; batch arrays
+    of rank >= 2 ([B, T, ...]) also split their time axis over `seq` when the mesh has one (the
+    recurrent state has no time axis: it is replicated over `seq`);
   * "weights" (parameters, optimizer state, gradient accumulator): replicated, or with `fsdp=True`
     split over `data` along their largest axis divisible by the axis size (leaves with none stay
     replicated); XLA then all-gathers them for the forward/backward and reduce-scatters the gradients;
@@ -31,7 +35,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jmamba.core.axes import DATA_AXIS
+from jmamba.core.axes import DATA_AXIS, SEQ_AXIS
 
 PLACEMENTS = ("weights", "rows", "replicated")
 
@@ -45,9 +49,59 @@ def make_data_mesh(devices: Optional[Sequence] = None) -> jax.sharding.Mesh:
                          devices=devices)
 
 
+def make_mesh(*, data: Optional[int] = None, seq: int = 1, devices: Optional[Sequence] = None) -> jax.sharding.Mesh:
+    """A mesh over `devices` (default: all devices of all processes) with a `data` axis and, when
+    seq > 1, a `seq` axis (sequence parallelism: each sequence's time axis split over `seq` devices).
+
+    Args:
+      data: size of the `data` axis (None: the devices left, len(devices) // seq).
+      seq: size of the `seq` axis; 1 gives the plain data mesh (no `seq` axis, the one-pass scans).
+      devices: the devices, in mesh order (row-major: consecutive devices share a `data` index).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("devices must not be empty")
+    for name, v in (("seq", seq), ("data", data)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if data is None:
+        if len(devices) % seq:
+            raise ValueError(f"seq ({seq}) must divide the number of devices ({len(devices)})")
+        data = len(devices) // seq
+    if data * seq != len(devices):
+        raise ValueError(f"data x seq = {data} x {seq} = {data * seq} must equal the number of devices ({len(devices)})")
+    if seq == 1:
+        return make_data_mesh(devices)
+    auto = jax.sharding.AxisType.Auto
+    return jax.make_mesh((data, seq), (DATA_AXIS, SEQ_AXIS), axis_types=(auto, auto), devices=devices)
+
+
 def _check_mesh(mesh):
-    if not isinstance(mesh, jax.sharding.Mesh) or DATA_AXIS not in mesh.axis_names:
-        raise ValueError(f"mesh must be a jax.sharding.Mesh with a '{DATA_AXIS}' axis (make_data_mesh())")
+    if not isinstance(mesh, jax.sharding.Mesh) or not {DATA_AXIS, SEQ_AXIS} & set(mesh.axis_names):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh with a '{DATA_AXIS}' and/or a '{SEQ_AXIS}' axis "
+                         "(make_data_mesh() or make_mesh(data=..., seq=...))")
+
+
+def _axis(mesh, name):
+    """(the axis name or None, its size: 1 when the mesh has no such axis)."""
+    return (name, mesh.shape[name]) if name in mesh.axis_names else (None, 1)
+
+
+def batch_spec(mesh, shape, what="batch array"):
+    """PartitionSpec of a batch array: [B] over `data`, [B, T, ...] over `data` and `seq`; scalars replicated."""
+    _check_mesh(mesh)
+    if len(shape) == 0:
+        return P()
+    data, n_data = _axis(mesh, DATA_AXIS)
+    seq, n_seq = _axis(mesh, SEQ_AXIS)
+    if shape[0] % n_data:
+        raise ValueError(f"{what}: batch size {shape[0]} must be divisible by the '{DATA_AXIS}' axis ({n_data})")
+    if len(shape) == 1:
+        return P(data)
+    if shape[1] % n_seq:
+        raise ValueError(f"{what}: sequence length {shape[1]} (axis 1) must be divisible by the '{SEQ_AXIS}' "
+                         f"axis ({n_seq})")
+    return P(data, seq)
 
 
 def _fsdp_spec(shape, n):
@@ -67,12 +121,14 @@ def state_shardings(state, mesh, *, fsdp: bool = False):
     metadata ("weights", "rows" or "replicated").
     """
     _check_mesh(mesh)
+    if fsdp and DATA_AXIS not in mesh.axis_names:
+        raise ValueError(f"fsdp=True shards the weights over the '{DATA_AXIS}' axis: the mesh has none")
     fields = [f for f in getattr(type(state), "__dataclass_fields__", {}).values()
               if f.metadata.get("pytree_node", True)]
     if not fields or any(f.metadata.get("placement") not in PLACEMENTS for f in fields):
         raise TypeError(f"state must be a jmamba.TrainState (a dataclass whose fields declare a placement), "
                         f"got {type(state).__name__}")
-    n = mesh.shape[DATA_AXIS]
+    data, n = _axis(mesh, DATA_AXIS)
     rep = NamedSharding(mesh, P())
 
     def weights(x):
@@ -82,7 +138,7 @@ def state_shardings(state, mesh, *, fsdp: bool = False):
         if np.ndim(x) == 0 or np.shape(x)[0] % n:
             raise ValueError(f"recurrent-state batch ({np.shape(x)[0] if np.ndim(x) else 'scalar'}) must be "
                              f"divisible by the '{DATA_AXIS}' axis ({n})")
-        return NamedSharding(mesh, P(DATA_AXIS))
+        return NamedSharding(mesh, P(data))
 
     place = {"weights": weights, "rows": batch_rows, "replicated": lambda _: rep}
     return state.replace(**{f.name: jax.tree.map(place[f.metadata["placement"]], getattr(state, f.name))
@@ -90,18 +146,11 @@ def state_shardings(state, mesh, *, fsdp: bool = False):
 
 
 def batch_shardings(batch: dict, mesh):
-    """Batch-axis split for every array of `batch` with a leading batch axis; scalars replicated."""
-    _check_mesh(mesh)
-    n = mesh.shape[DATA_AXIS]
-
-    def one(x):
-        if np.ndim(x) == 0:
-            return NamedSharding(mesh, P())
-        if np.shape(x)[0] % n:
-            raise ValueError(f"batch size {np.shape(x)[0]} must be divisible by the '{DATA_AXIS}' axis ({n})")
-        return NamedSharding(mesh, P(DATA_AXIS))
-
-    return jax.tree.map(one, batch)
+    """The NamedSharding of every array of `batch` (`batch_spec`: batch axis over `data`, the time
+    axis of [B, T, ...] arrays over `seq`; scalars replicated)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, batch_spec(mesh, np.shape(x), f"batch{jax.tree_util.keystr(path)}")),
+        batch)
 
 
 def shard_state(state, mesh, *, fsdp: bool = False):

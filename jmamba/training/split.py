@@ -23,12 +23,11 @@ from typing import Optional
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from jmamba.backbone import check_remat
-from jmamba.core.axes import DATA_AXIS
 from jmamba.core.validation import check_bool, shape_of
-from jmamba.parallel import shard_batch, shard_state
+from jmamba.parallel import batch_spec, shard_batch, shard_state
 from jmamba.training.clipping import check_max_norm
 from jmamba.training.optimizer_update import check_optimizer
 from jmamba.training.step_core import apply_gradients, forward_with_vjp
@@ -90,7 +89,7 @@ def forward(model: nnx.Module, state: TrainState, batch: dict, *, precision="f32
       batch: {"inputs": ..., optional "reset": ...}.
       precision: "f32", "bf16" or "f16".
       truncate_bptt: see `make_train_step`.
-      mesh, fsdp: run data-parallel on this mesh (see `make_train_step`); the state and batch are
+      mesh, fsdp: run data- (and sequence-) parallel on this mesh (see `make_train_step`); the state and batch are
         placed on it (a no-op when `jmamba.parallel.shard_state`/`shard_batch` already did).
       nonfinite_guard: restart recurrent-state rows that leave the window non-finite from zeros
         (`ctx.state_rows_reset` counts them); see `make_train_step`.
@@ -162,7 +161,7 @@ def backward_step(optimizer, state: TrainState, ctx: ForwardContext, d_out, *,
                              "TrainState.create(..., accumulate=True)")
     with _on_mesh(ctx.mesh):
         if ctx.mesh is not None:
-            d_out = jax.device_put(d_out, NamedSharding(ctx.mesh, PartitionSpec(DATA_AXIS)))
+            d_out = jax.device_put(d_out, NamedSharding(ctx.mesh, batch_spec(ctx.mesh, shape_of(d_out), "d_out")))
         new_state, metrics = _backward_jit(state.replace(pending_forward=None), ctx.vjp_fn, d_out,
                                            optimizer=optimizer, clip_max_norm=clip_max_norm,
                                            accumulate_only=accumulate_only, guard=nonfinite_guard)

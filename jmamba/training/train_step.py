@@ -64,8 +64,10 @@ def make_train_step(model: nnx.Module, optimizer, *,
       jit: return the jitted function (False: the plain Python function, for composing in a larger jit).
       mesh: a device mesh with a `data` axis (`jmamba.parallel.make_data_mesh()`): the step runs SPMD,
         batch and recurrent state split over `data`, parameters and optimizer state replicated (or
-        split, `fsdp=True`); XLA all-reduces the gradients. Input arrays should be uncommitted or
-        placed with `jmamba.parallel.shard_state` / `shard_batch`.
+        split, `fsdp=True`); XLA all-reduces the gradients. With a `seq` axis as well (or alone:
+        `jmamba.parallel.make_mesh(data=..., seq=...)`), each window's time axis is split over `seq`
+        and the scans pass their states between the shards (docs/sequence_parallel.md). Input arrays
+        should be uncommitted or placed with `jmamba.parallel.shard_state` / `shard_batch`.
       fsdp: with `mesh`, shard parameters and optimizer state over `data` as well.
       nonfinite_guard: skip steps whose loss, gradients or update are non-finite and restart
         non-finite recurrent-state rows from zeros (default; `jmamba.training.guard`). False applies

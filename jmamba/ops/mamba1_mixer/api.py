@@ -32,6 +32,8 @@ from jmamba.core.validation import check_array, check_bool, normalize_reset, sha
 from jmamba.ops import dispatch
 from jmamba.ops.batch_sharding import call_batch_sharded
 from jmamba.ops.mamba1_mixer.common import Mamba1CoreState
+from jmamba.ops.mamba1_mixer.sequence import mamba1_mixer_core_sequence_sharded
+from jmamba.ops.sequence_sharding import sequence_sharded
 from jmamba.ops.selective_scan.api import OP as SCAN_OP
 from jmamba.ops.settings import current_tuning
 
@@ -74,6 +76,9 @@ def mamba1_mixer_core(x, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kerne
         implementation = dispatch.preferred(OP) or dispatch.preferred(SCAN_OP)
     impl = dispatch.choose(OP, implementation, x=args[0], A=args[7], initial_state=args[10], reset=args[11],
                            tuning=tuning)
+    if sequence_sharded():   # time split over the mesh's `seq` axis (jmamba.ops.sequence_sharding)
+        y, conv_last, h_last = mamba1_mixer_core_sequence_sharded(impl.fn, args, tuning=tuning, xz_packed=xz_packed)
+        return (y, Mamba1CoreState(conv=conv_last, ssm=h_last)) if return_final_state else y
     # batch-sharded under a data-parallel mesh: x z | weights | states reset
     y, conv_last, h_last = call_batch_sharded(
         impl.fn, args, (True, True, False, False, False, False, False, False, False, True, True, True),

@@ -46,6 +46,8 @@ from jmamba.ops import dispatch
 from jmamba.ops.batch_sharding import call_batch_sharded
 from jmamba.core.dtypes import accum_dtype
 from jmamba.ops.mamba3_siso_scan.common import Mamba3ScanState, Mamba3ScanTuning, zero_states
+from jmamba.ops.mamba3_siso_scan.sequence import mamba3_siso_scan_sequence_sharded
+from jmamba.ops.sequence_sharding import sequence_sharded
 from jmamba.ops.settings import current_tuning, register_tuning
 
 OP = "mamba3_siso_scan"
@@ -93,6 +95,9 @@ def mamba3_siso_scan(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, z=N
         return _empty_window(V, Q, Angles, states, return_final_state)
     impl = dispatch.choose(OP, implementation, Q=Q, V=V, Angles=Angles, initial_state=states,
                            reset=reset, tuning=tuning)
+    if sequence_sharded():   # time split over the mesh's `seq` axis (jmamba.ops.sequence_sharding)
+        out, final = mamba3_siso_scan_sequence_sharded(impl.fn, args, tuning=tuning)
+        return (out, Mamba3ScanState(*final)) if return_final_state else out
     # batched: Q K V ADT DT Trap | biases replicated | Angles batched, D replicated, z, state, reset batched
     out, final = call_batch_sharded(impl.fn, args, (True,) * 6 + (False, False, True, False, True, True, True),
                                     tuning=tuning)

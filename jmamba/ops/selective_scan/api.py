@@ -28,7 +28,9 @@ import warnings
 from jmamba.core.validation import check_array, check_bool, check_float, normalize_reset, shape_of
 from jmamba.ops import dispatch
 from jmamba.ops.batch_sharding import call_batch_sharded
+from jmamba.ops.sequence_sharding import sequence_sharded
 from jmamba.ops.selective_scan.common import SelectiveScanState, SelectiveScanTuning
+from jmamba.ops.selective_scan.sequence import selective_scan_sequence_sharded
 from jmamba.ops.settings import current_tuning, register_tuning
 
 OP = "selective_scan"
@@ -69,6 +71,9 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, *legacy, 
     tuning = current_tuning(OP, tuning)
     u, _, A, B, _, _, _, _, h0, reset = args
     impl = dispatch.choose(OP, implementation, u=u, A=A, B=B, initial_state=h0, reset=reset, tuning=tuning)
+    if sequence_sharded():   # time split over the mesh's `seq` axis (jmamba.ops.sequence_sharding)
+        out, h_last = selective_scan_sequence_sharded(impl.fn, args, delta_softplus=delta_softplus, tuning=tuning)
+        return (out, SelectiveScanState(h_last)) if return_final_state else out
     # batch-sharded under a data-parallel mesh: u delta | A | B C | D | z | delta_bias | state reset
     out, h_last = call_batch_sharded(
         impl.fn, args, (True, True, False, True, True, False, True, False, True, True),
