@@ -56,7 +56,12 @@ def parse_args(argv=None):
                    help="also time K steps dispatched back to back, one block_until_ready at the end (a training "
                         "loop that does not read metrics every step: dispatch overlaps the previous step)")
     p.add_argument("--devices", type=int, default=1,
-                   help="data-parallel over this many devices (global batch = batch-size x devices)")
+                   help="this many devices: data parallel over devices / seq-shards of them (global batch = "
+                        "batch-size x that), each sequence over --seq-shards")
+    p.add_argument("--seq-shards", type=int, default=1,
+                   help="sequence parallel: split each sequence's time axis over this many devices (a seq mesh axis)")
+    p.add_argument("--fsdp", action="store_true", help="with --devices > 1: shard parameters and optimizer state over data")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON to PATH")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, trace N more steps and print per-kernel and per-category device times")
     p.add_argument("--xla-dump", default=None, metavar="DIR",
@@ -128,15 +133,19 @@ def profile_steps(step, state, batches, n):
 def bench_one(args, lm, impl):
     opt = make_optimizer(args)
     rng = np.random.default_rng(0)
-    bsz = args.batch_size * args.devices
+    bsz = args.batch_size * data_ways(args)
     mesh = None
-    if args.devices > 1:
-        from jmamba.parallel import make_data_mesh
-        mesh = make_data_mesh(jax.devices()[:args.devices])
+    if args.devices > 1 or args.seq_shards > 1:
+        from jmamba.parallel import make_mesh
+        mesh = make_mesh(data=data_ways(args), seq=args.seq_shards, devices=jax.devices()[:args.devices])
     with dispatch.prefer(OP[args.arch], impl), scan_tuning(args):
         state = jmamba.TrainState.create(lm, opt, bsz, precision=args.precision)
+        if mesh is not None:
+            from jmamba.parallel import shard_state
+            state = shard_state(state, mesh, fsdp=args.fsdp)
         step = jmamba.make_train_step(lm, opt, loss_fn=loss_fn, precision=args.precision, clip_max_norm=1.0,
-                                      mesh=mesh, remat=REMAT[args.remat], nonfinite_guard=not args.no_guard)
+                                      mesh=mesh, fsdp=args.fsdp, remat=REMAT[args.remat],
+                                      nonfinite_guard=not args.no_guard)
         batches = [{"inputs": jnp.asarray(rng.integers(0, args.vocab, (bsz, args.seq_len)), jnp.int32),
                     "targets": jnp.asarray(rng.integers(0, args.vocab, (bsz, args.seq_len)), jnp.int32)}
                    for _ in range(2)]
@@ -161,10 +170,18 @@ def bench_one(args, lm, impl):
             print(f"# {impl}: {args.steady} steps back to back (one sync): {steady_ms:.1f} ms/step", flush=True)
         if args.profile:
             state = profile_steps(step, state, batches, args.profile)
-    stats = jax.devices()[0].memory_stats() or {}   # device 0 (each device holds the same share)
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.devices()[:args.devices]]
+    stats = {"peak_bytes_in_use": max(peaks)}   # the fullest device's peak
     return {"impl": impl, "ms": 1e3 * statistics.median(times), "min": 1e3 * min(times), "max": 1e3 * max(times),
             "compile_s": compile_s, "loss": float(m["loss"]), "steady_ms": steady_ms, "peak_gib": stats.get("peak_bytes_in_use", 0) / 2 ** 30,
             "seconds": {"step": statistics.median(times), "compile": compile_s}}
+
+
+def data_ways(args):
+    """Size of the data axis: the devices not used by the sequence split."""
+    if args.devices % args.seq_shards:
+        raise SystemExit(f"--seq-shards {args.seq_shards} must divide --devices {args.devices}")
+    return args.devices // args.seq_shards
 
 
 def main(argv=None):
@@ -173,9 +190,10 @@ def main(argv=None):
     args = parse_args(argv)
     lm = build(args)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(lm, nnx.Param)))
-    tokens = args.batch_size * args.devices * args.seq_len
+    tokens = args.batch_size * data_ways(args) * args.seq_len
     print(f"# train step: {args.arch} d_model={args.d_model} layers={args.n_layers} vocab={args.vocab} "
-          f"params={n_params / 1e6:.1f}M B={args.batch_size}x{args.devices} devices T={args.seq_len} {args.precision} "
+          f"params={n_params / 1e6:.1f}M B={args.batch_size}x{data_ways(args)} T={args.seq_len} "
+          f"devices={args.devices} (seq shards {args.seq_shards}{', fsdp' if args.fsdp else ''}) {args.precision} "
           f"optimizer={args.optimizer} remat={args.remat} guard={not args.no_guard} | jax {jax.__version__} on {jax.devices()[0].device_kind}")
     rows = []
     for impl in args.impl.split(","):
@@ -192,6 +210,11 @@ def main(argv=None):
         print(f"| {r['impl']} | {r['ms']:.1f} ({r['min']:.1f}-{r['max']:.1f}) | {tok_s:,.0f} | "
               f"{tok_s / ref_tok:.2f}x | {tflops:.0f} | {r['peak_gib']:.1f} | {r['compile_s']:.0f} | {r['loss']:.3f} |")
     print(f"| PyTorch + official kernels (earlier-run anchor) | {ref_ms} | {ref_tok:,.0f} | 1.00x | | | | |")
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump([dict(r, tokens_per_s=tokens / (r["ms"] / 1e3), n_params=int(n_params),
+                            devices=args.devices, seq_shards=args.seq_shards, fsdp=args.fsdp) for r in rows], f)
     return rows
 
 

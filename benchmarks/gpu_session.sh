@@ -11,6 +11,9 @@
 #                                                  timing, the op's sweep; mosaic_tests / mosaic_bench: the
 #                                                  first two alone) e2e1_mosaic (the train step with both)
 #                                                  seq_bench (the sequence-sharded scans' per-device overhead)
+#                                                  multi_equal scaling (issue 18, a multi-GPU kind: gradients vs one
+#                                                  device, DP / FSDP / sequence-parallel scaling; split scaling into
+#                                                  several calls with bench_scaling.py --modes/--models/--devices)
 #                                                  side_train3 side_train1 (the PyTorch train anchor, one model each;
 #                                                  side_train3 needs only the selective-scan extension)
 # anchors_* / side_*: the official kernels and PyTorch model (the anchors folder copied to .anchors, carried):
@@ -83,6 +86,7 @@ for s in $stages; do case $s in
   mixer_bench) run mamba1_mixer_bench 200 python3 benchmarks/bench_mamba1_mixer.py ;;
   scan_sweep)  run scan_sweep_sub_chunk 240 python3 benchmarks/bench_selective_scan.py --sweep --sweep-set sub-chunk --shapes b8t2048 --impls pallas --iters 10 ;;
   scan_parallel) run scan_sweep_parallel 240 python3 benchmarks/bench_selective_scan.py --sweep --sweep-set parallel --shapes b8t2048 --impls pallas --iters 10 ;;
+  e2e1p)       run e2e_mamba1 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 ;;
   e2e3p)       run e2e_mamba3 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 ;;
   e2e1_dump)   run e2e_mamba1_profile 200 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 6 --warmup 2 --steady 10 --profile 3 --xla-dump /tmp/hlo1 ;
                pack_hlo /tmp/hlo1 "$OUT/hlo_mamba1.txt.gz" ;;
@@ -101,6 +105,9 @@ for s in $stages; do case $s in
   mosaic_bench) run mosaic_forward_bench 100 python3 benchmarks/bench_mosaic_forward.py ;;
   e2e1_mosaic) run e2e_mamba1_mosaic_forward 170 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config fwd_mosaic=True,bwd_mosaic=True --profile 3 ;;
   seq_bench)   run sequence_parallel_overhead 200 python3 benchmarks/bench_sequence_parallel.py ;;
+  multi_equal) run dp_equivalence_all_gpus 300 python3 tests/data_parallel_worker.py "$OUT/dp_all.json" ;
+               run sp_equivalence_4_gpus 400 python3 tests/sequence_parallel_worker.py "$OUT/sp4.json" ;;
+  scaling)     run scaling 3000 python3 benchmarks/bench_scaling.py ;;
   e2e1_long)   run e2e_mamba1_long 170 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 5 --warmup 2 --batch-size 1 --seq-len 65536 ;;
 esac; done
 echo "=== done ==="
