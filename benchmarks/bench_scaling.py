@@ -68,13 +68,14 @@ def main(argv=None):
     if a.tiny:
         os.environ["JAX_NUM_CPU_DEVICES"] = "4"
         extra = ["--tiny"]
-        a.models, a.devices, a.seq_lens, a.batch_size, a.seq_len = "mamba1_130m", "1,2,4", "64", 2, 64
+        a.models, a.devices, a.seq_lens, a.batch_size, a.seq_len = "mamba1_130m", "1,2", "64", 2, 64
     import jax
     have = len(jax.devices()) if not a.tiny else 4
     counts = [n for n in map(int, a.devices.split(",")) if n <= have]
     print(f"# scaling: {have} devices ({jax.devices()[0].device_kind}), counts {counts}", flush=True)
     print("\n| model | mode | T | devices | ms/step | tokens/s | efficiency | peak GiB per device | loss |")
     print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for model in a.models.split(","):
         for mode in a.modes.split(","):
             for T in ([a.seq_len] if mode != "seq" else list(map(int, a.seq_lens.split(",")))):
@@ -89,6 +90,9 @@ def main(argv=None):
                     eff = r["tokens_per_s"] / (base[1] * n / base[0])
                     print(f"| {model} | {mode} | {T} | {n} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | "
                           f"{eff:.0%} | {r['peak_gib']:.1f} | {r['loss']:.5f} |", flush=True)
+                    rows.append({"config": f"{model} {mode} T{T} x{n}", "mode": mode, "devices": n,
+                                 "efficiency": eff, "loss": r["loss"], "seconds": {"step": r["ms"] / 1e3}})
+    return rows
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def main(argv=None):
             base = (y, t_b[0]) if base is None else base
             print(f"| {name} | {path} | {fmt_time(t_f)} | {fmt_time(t_b)} | {t_b[0] / base[1]:.2f}x | "
                   f"{rel(y, base[0]):.1e} |", flush=True)
-            rows.append({"op": name, "path": path, "fwd_s": t_f[0], "fwd_bwd_s": t_b[0]})
+            rows.append({"op": name, "path": path, "seconds": {"fwd": t_f[0], "fwd_bwd": t_b[0]}})
     return rows
 
 

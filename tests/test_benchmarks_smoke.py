@@ -20,7 +20,9 @@ EXPECTED = {
     "bench_mamba1_mixer.py": ("variant", {"fused-pallas", "unfused", "xla"}),
     "bench_mamba3_scan.py": ("impl", {"pallas", "xla", "reference"}),
     "bench_mosaic_forward.py": ("variant", {"triton", "mosaic c16"}),
+    "bench_scaling.py": ("mode", {"dp", "fsdp", "seq"}),
     "bench_selective_scan.py": ("impl", {"pallas", "xla", "assoc", "reference"}),
+    "bench_sequence_parallel.py": ("path", {"plain", "seq axis, 1 shard"}),
     "bench_train_step.py": ("impl", {"xla"}),
     "profile_kernels.py": ("kernel", {"wall"}),     # no device events off the GPU
     "soak_f16.py": ("nonfinite_weights_or_state", {"False"}),   # the guard held through the injected faults
