@@ -68,7 +68,7 @@ def main(argv=None):
     if a.tiny:
         os.environ["JAX_NUM_CPU_DEVICES"] = "4"
         extra = ["--tiny"]
-        a.models, a.devices, a.seq_lens, a.batch_size, a.seq_len = "mamba1_130m", "1,2", "64", 2, 64
+        a.models, a.devices, a.seq_lens, a.batch_size, a.seq_len = "mamba1_130m", "2", "64", 2, 64
     import jax
     have = len(jax.devices()) if not a.tiny else 4
     counts = [n for n in map(int, a.devices.split(",")) if n <= have]
