@@ -40,7 +40,9 @@ def test_remat_gives_the_same_training_with_less_temporary_memory(arch, policy):
         state, loss_r, temp_r = run(arch, remat)
         assert abs(loss_r - loss) <= 1e-6 * max(1.0, abs(loss))
         for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(base.params)):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+            # rounding of the recomputed forward, through one Adam step (lr 1e-2, ~sign(g)): a
+            # near-zero gradient's rounding moves its parameter by up to ~1e-3 of the step
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
         if remat == "layer":
             assert temp_r < temp, (temp_r, temp)
 
