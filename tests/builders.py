@@ -195,3 +195,27 @@ def gradient_capture():
 def abstract_params(make):
     """nnx.State of the params of the module `make()` builds, as shapes only (no compile, no init)."""
     return nnx.state(nnx.eval_shape(make), nnx.Param)
+
+
+# ------------------------------------------------------------------------------- multi-device workers
+def max_rel(a_tree, b_tree):
+    """Largest max|a - b| / max|b| over the leaves of two pytrees (float64)."""
+    import jax
+    worst = 0.0
+    for a, b in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        worst = max(worst, float(np.max(np.abs(a - b), initial=0) / max(np.max(np.abs(b), initial=0), 1e-30)))
+    return worst
+
+
+def worker_results(worker, tmp_dir, timeout=1200):
+    """Runs tests/<worker> (a script that sets its own device count) writing JSON into tmp_dir; the results."""
+    import json
+    import os
+    import subprocess
+    import sys
+    out = tmp_dir / "results.json"
+    res = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), worker), str(out)],
+                         capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(out.read_text())

@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jmamba  # noqa: E402
-from builders import TINY_CHUNK, d_out_batch, gradient_capture, tiny_backbone  # noqa: E402
+from builders import TINY_CHUNK, d_out_batch, gradient_capture, max_rel, tiny_backbone  # noqa: E402
 from jmamba.io.checkpoint import restore_checkpoint, save_checkpoint  # noqa: E402
 from jmamba.ops import dispatch  # noqa: E402
 from jmamba.parallel import make_data_mesh, shard_state  # noqa: E402
@@ -37,14 +37,6 @@ def model_for(arch):
 
 def batch(i, bsz=8, T=6):
     return d_out_batch(100 + i, bsz, T)
-
-
-def max_rel(a_tree, b_tree):
-    worst = 0.0
-    for a, b in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree)):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        worst = max(worst, float(np.max(np.abs(a - b), initial=0) / max(np.max(np.abs(b), initial=0), 1e-30)))
-    return worst
 
 
 # An "optimizer" whose state is the (clipped) gradient it received: compares gradients exactly.

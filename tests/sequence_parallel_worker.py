@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jmamba  # noqa: E402
-from builders import (TINY_CHUNK, d_out_batch, gradient_capture, mamba1_implementation_args,  # noqa: E402
+from builders import (TINY_CHUNK, d_out_batch, gradient_capture, mamba1_implementation_args, max_rel,  # noqa: E402
                       mamba1_scan_inputs, mamba3_scan_inputs, tiny_backbone)
 from jmamba import ops  # noqa: E402
 from jmamba.io.checkpoint import restore_checkpoint, save_checkpoint  # noqa: E402
@@ -37,14 +37,6 @@ MESHES = {"seq4": dict(data=1, seq=4), "data2_seq2": dict(data=2, seq=2)}
 def make_mesh(**kw):
     """A mesh over the first 4 devices (so the worker also runs on a machine with more GPUs)."""
     return _make_mesh(devices=jax.devices()[:4], **kw)
-
-
-def max_rel(a_tree, b_tree):
-    worst = 0.0
-    for a, b in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree)):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        worst = max(worst, float(np.max(np.abs(a - b), initial=0) / max(np.max(np.abs(b), initial=0), 1e-30)))
-    return worst
 
 
 def resets(bsz, T):

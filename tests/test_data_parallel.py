@@ -8,22 +8,13 @@ rounding of near-zero gradients, so parameters after three Adam steps get a loos
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-
-WORKER = os.path.join(os.path.dirname(__file__), "data_parallel_worker.py")
+from builders import worker_results
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dp") / "results.json"
-    res = subprocess.run([sys.executable, WORKER, str(out)], capture_output=True, text=True, timeout=1200)
-    assert res.returncode == 0, res.stderr[-4000:]
-    return json.loads(out.read_text())
+    return worker_results("data_parallel_worker.py", tmp_path_factory.mktemp("dp"))
 
 
 @pytest.mark.parametrize("case", ["mamba1", "mamba1_fsdp", "mamba3"])

@@ -10,23 +10,15 @@ chain three windows through the recurrent state (resets in the second).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from builders import worker_results
 
-WORKER = os.path.join(os.path.dirname(__file__), "sequence_parallel_worker.py")
 MESHES = ("seq4", "data2_seq2")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sp") / "results.json"
-    res = subprocess.run([sys.executable, WORKER, str(out)], capture_output=True, text=True, timeout=1200)
-    assert res.returncode == 0, res.stderr[-4000:]
-    return json.loads(out.read_text())
+    return worker_results("sequence_parallel_worker.py", tmp_path_factory.mktemp("sp"))
 
 
 @pytest.mark.parametrize("case", ["selective_scan_f32", "mixer_core_f32", "mamba3_f32"])

@@ -29,7 +29,7 @@ ROLES = ("time", "time") + ("weights",) * 7 + ("rows", "rows", "time")
 def mamba1_mixer_core_sequence_sharded(fn, args, *, tuning, xz_packed):
     """The implementation `fn` (contract of mamba1_mixer/api.py) over time shards; same results."""
     k_size = args[2].shape[0]
-    shard = args[0].shape[1] // max(seq_axis_size(), 1)
+    shard = args[0].shape[1] // seq_axis_size()
     if shard < k_size - 1:
         raise ValueError(f"mamba1_mixer_core: each time shard ({shard} positions) must hold at least d_conv - 1 "
                          f"= {k_size - 1} positions under the mesh's '{SEQ_AXIS}' axis (the conv state is the shard's tail)")
