@@ -66,7 +66,11 @@ SWEEP = [
     dataclasses.replace(DEFAULT_CONFIG, angle_sums="matmul"),
     dataclasses.replace(DEFAULT_CONFIG, angle_sums="matmul", num_warps_qk=4),
     dataclasses.replace(DEFAULT_CONFIG, qk_head_splits=2),
+    dataclasses.replace(DEFAULT_CONFIG, stored_scores=True),
+    dataclasses.replace(DEFAULT_CONFIG, stored_ungated=True),
+    dataclasses.replace(DEFAULT_CONFIG, stored_scores=True, stored_ungated=True),
 ]
+SWEEP_SETS = {"all": SWEEP, "stored": [DEFAULT_CONFIG] + [c for c in SWEEP if c.stored_scores or c.stored_ungated]}
 
 
 def make_args(bsz, T, dims, dtype=jnp.bfloat16, seed=0):
@@ -207,7 +211,7 @@ def stage_breakdown(shape, dims, chunk, config, iters, workers):
                                            reverse=False)[0]
 
     def fwd_chunks(args, qk, entering):
-        return chunk_forward.chunk_outputs(geo, operands(args, qk), entering)
+        return chunk_forward.chunk_outputs(geo, operands(args, qk), entering, for_backward=True)
 
     def bwd_local(args, qk, d_out):
         return state_passes.chunk_contributions(geo, operands(args, qk, d_out), adjoint=True)
@@ -216,8 +220,8 @@ def stage_breakdown(shape, dims, chunk, config, iters, workers):
         return state_passes.combine_chunks(geo, local, state_passes.chunk_decays(geo, args[10]),
                                            jnp.zeros_like(args[12]), reverse=True)[0]
 
-    def bwd_chunks(args, qk, d_out, entering, leaving):
-        return chunk_backward.chunk_gradients(geo, operands(args, qk, d_out), entering, leaving)
+    def bwd_chunks(args, qk, d_out, entering, leaving, stored):   # stored: the forward's kept products
+        return chunk_backward.chunk_gradients(geo, dict(operands(args, qk, d_out), **stored), entering, leaving)
 
     def qk_grads(args, qk, grads):
         return qk_gradients.query_key_gradients(geo, *args[:7], qk[2], grads["dq"], grads["dk"])
@@ -237,7 +241,7 @@ def stage_breakdown(shape, dims, chunk, config, iters, workers):
               ("bwd 1: chunk adjoints", bwd_local, lambda r: (r["args"], r["qk"], r["d_out"])),
               ("bwd 2: adjoint combine", bwd_combine, lambda r: (r["args"], r["bwd_local"])),
               ("bwd 3: chunk gradients", bwd_chunks,
-               lambda r: (r["args"], r["qk"], r["d_out"], r["entering"], r["leaving"])),
+               lambda r: (r["args"], r["qk"], r["d_out"], r["entering"], r["leaving"], r["fwd_out"][1])),
               ("bwd 4: query/key gradients", qk_grads, lambda r: (r["args"], r["qk"], r["grads"])),
               ("bwd 5: glue backward (XLA: the VJP of prep, which it recomputes)", glue_backward,
                lambda r: (core_cotangents(r["args"], r["qk_g"], r["grads"], r["args"][12]),))]
@@ -247,15 +251,16 @@ def stage_breakdown(shape, dims, chunk, config, iters, workers):
     shapes["qk"] = jax.eval_shape(queries_keys, shapes["args"])
     shapes["fwd_local"] = jax.eval_shape(fwd_local, shapes["args"], shapes["qk"])
     shapes["entering"] = jax.eval_shape(fwd_combine, shapes["args"], shapes["fwd_local"])
+    shapes["fwd_out"] = jax.eval_shape(fwd_chunks, shapes["args"], shapes["qk"], shapes["entering"])
     shapes["bwd_local"] = jax.eval_shape(bwd_local, shapes["args"], shapes["qk"], shapes["d_out"])
     shapes["leaving"] = jax.eval_shape(bwd_combine, shapes["args"], shapes["bwd_local"])
     shapes["grads"] = jax.eval_shape(bwd_chunks, shapes["args"], shapes["qk"], shapes["d_out"], shapes["entering"],
-                                     shapes["leaving"])
+                                     shapes["leaving"], shapes["fwd_out"][1])
     shapes["qk_g"] = jax.eval_shape(qk_grads, shapes["args"], shapes["qk"], shapes["grads"])
     compiled = compile_all({name: (fn, get(shapes)) for name, fn, get in stages}, workers)
 
     real = {"d_out": jnp.asarray(np.random.default_rng(7).normal(size=shapes["d_out"].shape), shapes["d_out"].dtype)}
-    produces = ("args", "qk", "fwd_local", "entering", None, "bwd_local", "leaving", "grads", "qk_g", None)
+    produces = ("args", "qk", "fwd_local", "entering", "fwd_out", "bwd_local", "leaving", "grads", "qk_g", None)
     out = []
     for (name, _, get), key in zip(stages, produces):
         c = compiled[name]
@@ -274,7 +279,8 @@ def _short(cfg):
             f"{cfg.num_warps_state}/{cfg.num_warps_local}/{cfg.num_warps_chunk}/{cfg.num_warps_grad} "
             f"stages{cfg.num_stages} states-{cfg.stored_state_dtype} "
             f"grad-launches{cfg.gradient_kernels} qk-warps{cfg.num_warps_qk} qk-splits{cfg.qk_head_splits} "
-            f"angle-sums-{cfg.angle_sums}")
+            f"angle-sums-{cfg.angle_sums}" + (" stored-scores" if cfg.stored_scores else "")
+            + (" stored-ungated" if cfg.stored_ungated else ""))
 
 
 def main(argv=None):
@@ -287,6 +293,8 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--ref-iters", type=int, default=10, help="runs of the (slow) reference")
     p.add_argument("--sweep", action="store_true", help="after the table, time the SWEEP Pallas configs at the first shape")
+    p.add_argument("--sweep-set", default="all", choices=sorted(SWEEP_SETS),
+                   help="which candidates --sweep times: all, or stored (the default and the stored-products variants)")
     p.add_argument("--breakdown", action="store_true", help="time each Pallas launch at the first shape")
     p.add_argument("--workers", type=int, default=16, help="parallel compile threads")
     p.add_argument("--json", default=None, help="write all numbers here")
@@ -301,7 +309,8 @@ def main(argv=None):
         shapes, dims, chunk = {k: SHAPES[k] for k in a.shapes.split(",")}, DIMS, 64
         iters, ref_iters = a.iters, a.ref_iters
     impls = a.impls.split(",")
-    sweep = (SWEEP[:2] if a.tiny else SWEEP) if a.sweep else []
+    candidates = SWEEP_SETS[a.sweep_set]
+    sweep = (candidates[:2] if a.tiny else candidates) if a.sweep else []
     first = next(iter(shapes))
     records = []
 

@@ -51,7 +51,8 @@ def parse_args(argv=None):
                    help="activation memory: none, layer (recompute each block), dots (keep matmul outputs)")
     p.add_argument("--no-guard", action="store_true", help="build the step with nonfinite_guard=False")
     p.add_argument("--scan-config", default=None, metavar="K=V,...",
-                   help="Mamba-1 Pallas scan config as ScanBlockConfig fields, e.g. fwd_mosaic=True,chunk=64")
+                   help="the Pallas scan config of --arch as fields of ScanBlockConfig (mamba1, e.g. "
+                        "fwd_mosaic=True,chunk=64) or Mamba3ScanConfig (mamba3, e.g. stored_scores=True)")
     p.add_argument("--steady", type=int, default=0, metavar="K",
                    help="also time K steps dispatched back to back, one block_until_ready at the end (a training "
                         "loop that does not read metrics every step: dispatch overlaps the previous step)")
@@ -92,11 +93,14 @@ def build(args):
 @contextlib.contextmanager
 def scan_tuning(args):
     """The Mamba-3 scan's chunk (a tuning knob of the op; the official 64, 16 for the tiny run) and,
-    with --scan-config, the Mamba-1 Pallas scan's ScanBlockConfig."""
+    with --scan-config, the Pallas config of the --arch scan (ScanBlockConfig or Mamba3ScanConfig)."""
+    if args.scan_config:   # needs the repo root on sys.path (PYTHONPATH=$PWD, as gpu_session.sh sets)
+        from benchmarks.measure import scan_config
+    m3_config = scan_config(args.scan_config, "mamba3") if args.scan_config and args.arch == "mamba3" else None
     with contextlib.ExitStack() as stack:
-        stack.enter_context(jmamba.ops.tuning("mamba3_siso_scan", chunk_size=16 if args.tiny else 64))
-        if args.scan_config:
-            from benchmarks.measure import scan_config
+        stack.enter_context(jmamba.ops.tuning("mamba3_siso_scan", chunk_size=16 if args.tiny else 64,
+                                              **({"pallas_config": m3_config} if m3_config else {})))
+        if args.scan_config and args.arch == "mamba1":
             stack.enter_context(jmamba.ops.tuning("selective_scan", pallas_config=scan_config(args.scan_config)))
         yield
 

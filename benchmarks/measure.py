@@ -28,12 +28,21 @@ def rel(a, b):
     return float(np.max(np.abs(a - b), initial=0.0) / max(np.max(np.abs(b), initial=0.0), 1e-30))
 
 
-def scan_config(text):
-    """A `pallas_kernels.selective_scan.ScanBlockConfig` from "field=value,..." (ints; True / False)."""
-    from pallas_kernels.selective_scan import ScanBlockConfig
+def scan_config(text, arch="mamba1"):
+    """The Pallas scan config of `arch` from "field=value,...": a
+    `pallas_kernels.selective_scan.ScanBlockConfig` (mamba1) or a `pallas_kernels.mamba3_siso.Mamba3ScanConfig`
+    (mamba3); values True / False, ints, or else strings."""
+    if arch == "mamba1":
+        from pallas_kernels.selective_scan import ScanBlockConfig as config_type
+    elif arch == "mamba3":
+        from pallas_kernels.mamba3_siso import Mamba3ScanConfig as config_type
+    else:
+        raise ValueError(f"arch must be 'mamba1' or 'mamba3', got {arch!r}")
+
+    def value(v):
+        return (v == "True") if v in ("True", "False") else int(v) if v.lstrip("-").isdigit() else v
     fields = dict(kv.split("=") for kv in text.split(","))
-    return ScanBlockConfig(**{k: (v == "True") if v in ("True", "False") else int(v)
-                              for k, v in fields.items()}).validate()
+    return config_type(**{k: value(v) for k, v in fields.items()}).validate()
 
 
 def fmt_time(t):

@@ -145,6 +145,37 @@ def test_chunk_gradients_in_one_two_or_three_launches_match_reference(with_z, ke
     check_against_reference(arrays, states, 16, 2e-5, Mamba3ScanConfig(gradient_kernels=kernels))
 
 
+@pytest.mark.parametrize("with_z,scores,ungated,dtype,tol", [
+    (True, True, False, jnp.float32, 2e-5), (True, False, True, jnp.float32, 2e-5),
+    (True, True, True, jnp.bfloat16, 2e-2), (False, True, True, jnp.float32, 2e-5)],
+    ids=["scores-z-f32", "ungated-z-f32", "both-z-bf16", "both-no-z-f32"])
+def test_stored_scores_and_ungated_output_match_reference(with_z, scores, ungated, dtype, tol):
+    """config.stored_scores / stored_ungated: the values launch reads the forward's masked scores and
+    ungated Y instead of forming them (without Z there is no Y to keep): the same values and cotangents."""
+    arrays, states = make_inputs((2, 37, 4, 2, 8, 3, 2), dtype, with_z=with_z, seed=13)
+    config = Mamba3ScanConfig(stored_scores=scores, stored_ungated=ungated)
+    check_against_reference(arrays, states, 16, tol, config)
+
+
+def test_stored_products_are_kept_only_for_a_backward():
+    """A plain forward writes no scores or ungated output; under the VJP the residuals hold them, in
+    the dot operand dtype and float32, one [L] row per position."""
+    from pallas_kernels.mamba3_siso import chunk_forward
+    geo = make_geometry(batch=1, seqlen=32, heads=2, groups=1, headdim=16, d_state=16, num_angles=2, chunk_size=16,
+                        has_z=True, matmul_dtype=jnp.bfloat16, io_dtype=jnp.bfloat16,
+                        config=Mamba3ScanConfig(stored_scores=True, stored_ungated=True))
+    assert chunk_forward.stores(geo, False) == ()
+    assert chunk_forward.stores(geo, True) == ("scores", "ungated")
+    ops = {n: jnp.zeros((1, 32, 2, 16), jnp.bfloat16) for n in ("q", "k", "v", "z")}
+    ops.update(adt=jnp.zeros((1, 32, 2)), skip=jnp.zeros((1, 32, 2)))
+    entering = jnp.zeros((1, 2, 2, 16, 16), jnp.bfloat16)
+    out, kept = jax.eval_shape(lambda o, e: chunk_forward.chunk_outputs(geo, o, e, for_backward=True), ops, entering)
+    assert kept["scores"].shape == (1, 32, 2, 16) and kept["scores"].dtype == jnp.bfloat16
+    assert kept["ungated"].shape == (1, 32, 2, 16) and kept["ungated"].dtype == jnp.float32
+    _, none = jax.eval_shape(lambda o, e: chunk_forward.chunk_outputs(geo, o, e), ops, entering)
+    assert none == {}
+
+
 def test_angle_sums_by_matmul_match_reference():
     """Mamba3ScanConfig(angle_sums="matmul") through the op: every value and cotangent (S=16: Sp wide
     enough for the triangular dots)."""
@@ -292,6 +323,12 @@ def test_angle_sums_by_matmul_lower_for_h200():
     assert text.count("__gpu$xla.gpu.triton") == 10
 
 
+def test_stored_scores_and_ungated_output_lower_for_h200():
+    config = Mamba3ScanConfig(stored_scores=True, stored_ungated=True)
+    text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
+    assert text.count("__gpu$xla.gpu.triton") == 10
+
+
 @pytest.mark.parametrize("kernels", [1, 2])
 def test_one_or_two_gradient_launches_lower_for_h200(kernels):
     config = Mamba3ScanConfig(gradient_kernels=kernels, stored_state_dtype="float32", num_warps_grad=8)
@@ -370,10 +407,17 @@ def test_kernel_refuses_a_reset_mask_and_a_bad_config():
                                          ("gradient_kernels", 4), ("num_warps_qk", 3),
                                          ("qk_head_splits", 0), ("gradient_kernels", 2.0), ("min_width", 8),
                                          ("min_chunk", 8), ("num_warps_grad", 64),
-                                         ("num_stages", 0), ("max_chunk", 96), ("stored_state_dtype", "float16")])
+                                         ("num_stages", 0), ("max_chunk", 96), ("stored_state_dtype", "float16"),
+                                         ("stored_scores", 1), ("stored_ungated", "yes")])
 def test_bad_config_raises_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         Mamba3ScanConfig(**{field: value}).validate()
+
+
+@pytest.mark.parametrize("field", ["stored_scores", "stored_ungated"])
+def test_stored_products_need_the_values_launch_apart(field):
+    with pytest.raises(ValueError, match=f"{field}=True needs gradient_kernels=3"):
+        Mamba3ScanConfig(**{field: True, "gradient_kernels": 2}).validate()
 
 
 def test_chunk_size_is_rounded_to_a_power_of_two_the_dots_accept():
@@ -427,6 +471,15 @@ def test_gpu_other_kernel_variants_match_reference(with_z, kernels):
                               num_warps_chunk=8, num_warps_qk=4)
     arrays, states = make_inputs((3, 1000, 8, 2, 128, 64, 32), jnp.bfloat16, with_z=with_z, seed=8)
     check_against_reference(arrays, states, 64, 2.5e-2, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scores,ungated", [(True, True), (True, False)])
+def test_gpu_stored_scores_and_ungated_output_match_reference(scores, ungated):
+    """The stored-products variants (sweep candidates) at the benchmark shape, shared angles as in the model."""
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=14)
+    check_against_reference(dict(arrays, Angles=arrays["Angles"][:, :, :1]), states, 64, 2.5e-2,
+                            Mamba3ScanConfig(stored_scores=scores, stored_ungated=ungated))
 
 
 @pytest.mark.gpu

@@ -57,7 +57,10 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
     def body(refs, *, values: bool, keys: bool, queries: bool):
         """The gradients of the chosen groups: values (dV, dZ, dskip), keys (dK̃, dADT), queries (dQ)."""
         decay = ChunkDecay(refs["adt"][...])
-        lam = decay.strictly_lower()
+        stored_scores = values and "scores" in refs          # config.stored_scores (the values launch only)
+        stored_y = values and "ungated" in refs              # config.stored_ungated, with Z
+        formed_scores = keys or (values and not stored_scores)
+        lam = decay.strictly_lower() if (formed_scores or keys or queries) else None
         k, v = refs["k"][...], refs["v"][...]
         d_out = refs["d_out"][...].astype(F32)
         if geo.has_z:
@@ -68,21 +71,25 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
             dy = d_out
         if keys or queries:
             attn = dot(dy, v, mm, trans_b=True)                         # A_ij = <dY_i, v_j>
-        if values or keys:
+        q_state_needed = (values and geo.has_z and not stored_y) or (keys and not queries)
+        if formed_scores or q_state_needed:
             q = refs["q"][...]
+        if formed_scores:
             scores = dot(q, k, mm, trans_b=True) * lam                  # recomputed (Q K̃ᵀ) ⊙ Λ
+        if values or keys:
             d_state = refs["d_state"][...]
-        q_state = None
-        if (values and geo.has_z) or (keys and not queries):
-            q_state = dot(q, refs["state"][...], mm, trans_b=True)      # Q·S_cᵀ  [L, Pp]
+        q_state = dot(q, refs["state"][...], mm, trans_b=True) if q_state_needed else None   # Q·S_cᵀ [L, Pp]
 
         if values:
+            # the forward's masked scores, already in the dot operand dtype the dots below round them to
+            p = refs["scores"][...] if stored_scores else scores
             skip = refs["skip"][...]
             if geo.has_z:                                               # step 1: the gate
-                y = dot(scores, v, mm) + decay.read[:, None] * q_state + skip[:, None] * v.astype(F32)
+                y = (refs["ungated"][...] if stored_y
+                     else dot(p, v, mm) + decay.read[:, None] * q_state + skip[:, None] * v.astype(F32))
                 refs["dz"][...] = (d_out * y * sz * (1.0 + z * (1.0 - sz))).astype(refs["dz"].dtype)
             refs["d_skip"][...] = jnp.sum(dy * v.astype(F32), axis=1)
-            dv = (dot(scores, dy, mm, trans_a=True) + skip[:, None] * dy
+            dv = (dot(p, dy, mm, trans_a=True) + skip[:, None] * dy
                   + decay.to_end[:, None] * dot(k, d_state, mm, trans_b=True))
             refs["dv"][...] = dv.astype(refs["dv"].dtype)
 
@@ -117,7 +124,10 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
     if geo.has_z:
         outputs["values"].append(("dz", jax.ShapeDtypeStruct((bsz, Tp, H, Pp), jnp.dtype(ops["z"].dtype)),
                                   grid.head_rows(Pp)))
-    reads = {"values": {"q", "k", "v", "z", "d_out", "adt", "skip", "state", "d_state"},
+    values_reads = {"k", "v", "z", "d_out", "adt", "skip", "d_state"} | {n for n in ("scores", "ungated") if n in ops}
+    if "scores" not in ops or (geo.has_z and "ungated" not in ops):
+        values_reads |= {"q"} | ({"state"} if geo.has_z and "ungated" not in ops else set())
+    reads = {"values": values_reads,
              "keys": {"q", "k", "v", "z", "d_out", "adt", "state", "d_state"},
              "queries": {"k", "v", "z", "d_out", "adt", "state"}}
     launches = {1: [("values", "keys", "queries")], 2: [("values", "keys"), ("queries",)],
@@ -127,7 +137,8 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
     grads = {}
     for groups in launches:
         names = set().union(*(reads[g] for g in groups))
-        inputs = chunk_inputs(geo, grid, ops, [n for n in ("q", "k", "v", "z", "d_out", "adt", "skip") if n in names])
+        inputs = chunk_inputs(geo, grid, ops, [n for n in ("q", "k", "v", "z", "d_out", "adt", "skip", "scores",
+                                                           "ungated") if n in names])
         inputs += [(n, arrays[n], specs[n]) for n in ("state", "d_state") if n in names]
         grads.update(layout.launch(
             functools.partial(body, **{g: g in groups for g in ("values", "keys", "queries")}), geo, grid, inputs,

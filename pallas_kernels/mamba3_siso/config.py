@@ -66,6 +66,14 @@ class Mamba3ScanConfig:
         a scan across the program's warps) or "matmul" (a [L, L] triangular 0/1 matrix times the
         [L, Sp] tile, exact float32 products: the same sums up to the order of the additions). The
         matmul form needs Sp >= min_width (tl.dot's smallest dimension); narrower angle pieces use the scan.
+      stored_scores: the forward chunk-output kernel also writes each chunk's masked scores
+        (Q·K̃ᵀ) ⊙ Λ ([L, L] per chunk and head, in the dot operand dtype, the rounding the backward's
+        dV dot applies to them anyway) and the values gradient launch reads them instead of forming
+        them again (one dot and the [L, L] decay matrix fewer; + Bt·Tp·H·L elements of memory per call
+        kept for the backward). Needs gradient_kernels=3 (the keys launch forms its float32 scores).
+      stored_ungated: with Z, the forward also writes the ungated output Y (float32, [Bt, Tp, H, Pp])
+        and the values launch reads it for dZ instead of recomputing it (two dots fewer, and with
+        stored_scores no Q or state read at all); no effect without Z. Needs gradient_kernels=3.
     """
 
     state_block_p: int = 16
@@ -82,6 +90,8 @@ class Mamba3ScanConfig:
     max_chunk: int = 128
     stored_state_dtype: str = "dot_operand"
     angle_sums: str = "scan"
+    stored_scores: bool = False
+    stored_ungated: bool = False
 
     def validate(self) -> "Mamba3ScanConfig":
         for name in ("state_block_p", "num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad",
@@ -109,6 +119,12 @@ class Mamba3ScanConfig:
         if self.stored_state_dtype not in STORED_STATE_DTYPES:
             raise ValueError(f"Mamba3ScanConfig.stored_state_dtype must be one of {STORED_STATE_DTYPES}, "
                              f"got {self.stored_state_dtype!r}")
+        for name in ("stored_scores", "stored_ungated"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")
+            if getattr(self, name) and self.gradient_kernels != 3:
+                raise ValueError(f"Mamba3ScanConfig.{name}=True needs gradient_kernels=3 (the values gradients in "
+                                 f"their own launch), got gradient_kernels={self.gradient_kernels}")
         return self
 
 

@@ -17,7 +17,9 @@ differentiated by JAX): for the padded operands in the kernel layout of config.p
 Residuals: the inputs, the per-head q, k̃ (dot operand dtype, [Bt, Tp, H, Np]), the wrapped angle
 at every position θ ([Bt, Tp, H, Sp] float32, so the backward forms no forward prefix sum) and the
 states entering every chunk
-([Bt, H, nc, Pp, Np]); the backward never calls the forward kernels' VJP.
+([Bt, H, nc, Pp, Np]), and when the config asks (stored_scores, stored_ungated) the chunks' masked
+scores and the ungated output, written by the forward's chunk-output kernel for the values gradient
+launch; the backward never calls the forward kernels' VJP.
 """
 
 from __future__ import annotations
@@ -59,24 +61,24 @@ def chunked_core(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt, theta
     return out, final
 
 
-def _forward(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, skip, s0):
+def _forward(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, skip, s0, *, for_backward=False):
     q, k, theta = head_queries_keys_kernel(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry)
     ops = kernel_operands(q, k, v, z, adt, skip, s0=s0)
     entering, final = state_passes.forward_state_pass(geo, ops)
-    out = chunk_forward.chunk_outputs(geo, ops, entering)
-    return out, final, (q, k, theta, entering)
+    out, stored = chunk_forward.chunk_outputs(geo, ops, entering, for_backward=for_backward)
+    return out, final, (q, k, theta, entering, stored)
 
 
 def _core_fwd(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, skip, s0):
-    out, final, (q, k, theta, entering) = _forward(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z,
-                                                   adt, skip, s0)
-    return (out, final), (Q, K, Q_bias, K_bias, scale, rate, dt, theta, q, k, v, z, adt, skip, entering)
+    out, final, (q, k, theta, entering, stored) = _forward(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry,
+                                                           v, z, adt, skip, s0, for_backward=True)
+    return (out, final), (Q, K, Q_bias, K_bias, scale, rate, dt, theta, q, k, v, z, adt, skip, entering, stored)
 
 
 def _core_bwd(geo, residuals, cotangents):
-    Q, K, Q_bias, K_bias, scale, rate, dt, theta, q, k, v, z, adt, skip, entering = residuals
+    Q, K, Q_bias, K_bias, scale, rate, dt, theta, q, k, v, z, adt, skip, entering, stored = residuals
     d_out, d_final = cotangents
-    ops = kernel_operands(q, k, v, z, adt, skip, d_out=d_out.astype(v.dtype))
+    ops = dict(kernel_operands(q, k, v, z, adt, skip, d_out=d_out.astype(v.dtype)), **stored)
     leaving, d_initial = state_passes.adjoint_state_pass(geo, ops, d_final.astype(F32))
     g = chunk_backward.chunk_gradients(geo, ops, entering, leaving)
     dQ, dK, dQ_bias, dK_bias, d_scale, d_rate, d_dt, d_entry = query_key_gradients(
