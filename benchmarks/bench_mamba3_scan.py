@@ -69,6 +69,7 @@ SWEEP = [
     dataclasses.replace(DEFAULT_CONFIG, stored_scores=True),
     dataclasses.replace(DEFAULT_CONFIG, stored_ungated=True),
     dataclasses.replace(DEFAULT_CONFIG, stored_scores=True, stored_ungated=True),
+    dataclasses.replace(DEFAULT_CONFIG, stored_scores=True, stored_ungated=True, stored_for_keys=True),
 ]
 SWEEP_SETS = {"all": SWEEP, "stored": [DEFAULT_CONFIG] + [c for c in SWEEP if c.stored_scores or c.stored_ungated]}
 
@@ -280,7 +281,7 @@ def _short(cfg):
             f"stages{cfg.num_stages} states-{cfg.stored_state_dtype} "
             f"grad-launches{cfg.gradient_kernels} qk-warps{cfg.num_warps_qk} qk-splits{cfg.qk_head_splits} "
             f"angle-sums-{cfg.angle_sums}" + (" stored-scores" if cfg.stored_scores else "")
-            + (" stored-ungated" if cfg.stored_ungated else ""))
+            + (" stored-ungated" if cfg.stored_ungated else "") + (" stored-for-keys" if cfg.stored_for_keys else ""))
 
 
 def main(argv=None):

@@ -19,7 +19,8 @@
 #                                                  anchors_ss side_ops3 (only the selective-scan extension; the
 #                                                  Mamba-3 op side by side at the three PERF.md shapes)
 #                                                  m3_stored e2e3_stored (the stored-scores / ungated-Y variants:
-#                                                  op sweep at b8t2048 and b32t512, train step with profile)
+#                                                  op sweep at b8t2048 and b32t512, train step with profile;
+#                                                  e2e3_keys: the train step with stored_for_keys too)
 # anchors_* / side_*: the official kernels and PyTorch model (the anchors folder copied to .anchors, carried):
 # anchors_build starts their CUDA build in the background (~7 min), side_* wait for it.
 #                                                  (default: the list in `stages=` below)
@@ -87,6 +88,7 @@ for s in $stages; do case $s in
   m3_stored)   run m3_bench_stored 300 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b8t2048 --sweep --sweep-set stored ;
                run m3_bench_stored_b32 200 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b32t512 --sweep --sweep-set stored ;;
   e2e3_stored) run e2e_mamba3_stored 170 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config stored_scores=True,stored_ungated=True --profile 3 ;;
+  e2e3_keys)   run e2e_mamba3_stored_for_keys 170 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config stored_scores=True,stored_ungated=True,stored_for_keys=True --profile 3 ;;
   side_ops)    wait_anchors && run side_by_side_ops 240 python3 .anchors/side_by_side.py /tmp/ab ops --project . ;;
   side_train)  wait_anchors && run side_by_side_train 200 python3 .anchors/side_by_side.py /tmp/ab train ;;
   side_train3) wait_ss && run side_by_side_train_mamba3 420 python3 -c "import sys; sys.argv = ['x', '/tmp/ab', 'none']; sys.path.insert(0, '.anchors'); import side_by_side as s; s.train('Mamba3')" ;;

@@ -145,15 +145,19 @@ def test_chunk_gradients_in_one_two_or_three_launches_match_reference(with_z, ke
     check_against_reference(arrays, states, 16, 2e-5, Mamba3ScanConfig(gradient_kernels=kernels))
 
 
-@pytest.mark.parametrize("with_z,scores,ungated,dtype,tol", [
-    (True, True, False, jnp.float32, 2e-5), (True, False, True, jnp.float32, 2e-5),
-    (True, True, True, jnp.bfloat16, 2e-2), (False, True, True, jnp.float32, 2e-5)],
-    ids=["scores-z-f32", "ungated-z-f32", "both-z-bf16", "both-no-z-f32"])
-def test_stored_scores_and_ungated_output_match_reference(with_z, scores, ungated, dtype, tol):
-    """config.stored_scores / stored_ungated: the values launch reads the forward's masked scores and
-    ungated Y instead of forming them (without Z there is no Y to keep): the same values and cotangents."""
+@pytest.mark.parametrize("with_z,scores,ungated,keys,dtype,tol", [
+    (True, True, False, False, jnp.float32, 2e-5), (True, False, True, False, jnp.float32, 2e-5),
+    (True, True, True, False, jnp.bfloat16, 2e-2), (False, True, True, False, jnp.float32, 2e-5),
+    (True, True, True, True, jnp.float32, 2e-5), (True, True, True, True, jnp.bfloat16, 2e-2),
+    (True, True, False, True, jnp.float32, 2e-5), (False, True, True, True, jnp.float32, 2e-5)],
+    ids=["scores-z-f32", "ungated-z-f32", "both-z-bf16", "both-no-z-f32", "keys-too-f32", "keys-too-bf16",
+         "keys-scores-only-f32", "keys-no-z-f32"])
+def test_stored_scores_and_ungated_output_match_reference(with_z, scores, ungated, keys, dtype, tol):
+    """config.stored_scores / stored_ungated / stored_for_keys: the values (and keys) launches read the
+    forward's masked scores and ungated Y instead of forming them (without Z there is no Y to keep; the
+    keys launch then forms Q·S_cᵀ again): the same values and cotangents."""
     arrays, states = make_inputs((2, 37, 4, 2, 8, 3, 2), dtype, with_z=with_z, seed=13)
-    config = Mamba3ScanConfig(stored_scores=scores, stored_ungated=ungated)
+    config = Mamba3ScanConfig(stored_scores=scores, stored_ungated=ungated, stored_for_keys=keys)
     check_against_reference(arrays, states, 16, tol, config)
 
 
@@ -323,8 +327,9 @@ def test_angle_sums_by_matmul_lower_for_h200():
     assert text.count("__gpu$xla.gpu.triton") == 10
 
 
-def test_stored_scores_and_ungated_output_lower_for_h200():
-    config = Mamba3ScanConfig(stored_scores=True, stored_ungated=True)
+@pytest.mark.parametrize("keys", [False, True])
+def test_stored_scores_and_ungated_output_lower_for_h200(keys):
+    config = Mamba3ScanConfig(stored_scores=True, stored_ungated=True, stored_for_keys=keys)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
     assert text.count("__gpu$xla.gpu.triton") == 10
 
@@ -408,7 +413,8 @@ def test_kernel_refuses_a_reset_mask_and_a_bad_config():
                                          ("qk_head_splits", 0), ("gradient_kernels", 2.0), ("min_width", 8),
                                          ("min_chunk", 8), ("num_warps_grad", 64),
                                          ("num_stages", 0), ("max_chunk", 96), ("stored_state_dtype", "float16"),
-                                         ("stored_scores", 1), ("stored_ungated", "yes")])
+                                         ("stored_scores", 1), ("stored_ungated", "yes"),
+                                         ("stored_for_keys", 1)])
 def test_bad_config_raises_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         Mamba3ScanConfig(**{field: value}).validate()
@@ -418,6 +424,8 @@ def test_bad_config_raises_naming_the_field(field, value):
 def test_stored_products_need_the_values_launch_apart(field):
     with pytest.raises(ValueError, match=f"{field}=True needs gradient_kernels=3"):
         Mamba3ScanConfig(**{field: True, "gradient_kernels": 2}).validate()
+    with pytest.raises(ValueError, match="stored_for_keys=True needs stored_scores=True"):
+        Mamba3ScanConfig(stored_for_keys=True).validate()
 
 
 def test_chunk_size_is_rounded_to_a_power_of_two_the_dots_accept():
@@ -474,12 +482,12 @@ def test_gpu_other_kernel_variants_match_reference(with_z, kernels):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scores,ungated", [(True, True), (True, False)])
-def test_gpu_stored_scores_and_ungated_output_match_reference(scores, ungated):
+@pytest.mark.parametrize("scores,ungated,keys", [(True, True, False), (True, False, False), (True, True, True)])
+def test_gpu_stored_scores_and_ungated_output_match_reference(scores, ungated, keys):
     """The stored-products variants (sweep candidates) at the benchmark shape, shared angles as in the model."""
     arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=14)
     check_against_reference(dict(arrays, Angles=arrays["Angles"][:, :, :1]), states, 64, 2.5e-2,
-                            Mamba3ScanConfig(stored_scores=scores, stored_ungated=ungated))
+                            Mamba3ScanConfig(stored_scores=scores, stored_ungated=ungated, stored_for_keys=keys))
 
 
 @pytest.mark.gpu

@@ -57,9 +57,10 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
     def body(refs, *, values: bool, keys: bool, queries: bool):
         """The gradients of the chosen groups: values (dV, dZ, dskip), keys (dK̃, dADT), queries (dQ)."""
         decay = ChunkDecay(refs["adt"][...])
-        stored_scores = values and "scores" in refs          # config.stored_scores (the values launch only)
-        stored_y = values and "ungated" in refs              # config.stored_ungated, with Z
-        formed_scores = keys or (values and not stored_scores)
+        # the forward's products, when the launch was given them (config.stored_scores / stored_ungated /
+        # stored_for_keys; the launches are then one group each)
+        stored_scores, stored_y = "scores" in refs, "ungated" in refs
+        formed_scores = (keys or values) and not stored_scores
         lam = decay.strictly_lower() if (formed_scores or keys or queries) else None
         k, v = refs["k"][...], refs["v"][...]
         d_out = refs["d_out"][...].astype(F32)
@@ -71,18 +72,19 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
             dy = d_out
         if keys or queries:
             attn = dot(dy, v, mm, trans_b=True)                         # A_ij = <dY_i, v_j>
-        q_state_needed = (values and geo.has_z and not stored_y) or (keys and not queries)
-        if formed_scores or q_state_needed:
+        q_state_needed = (values and geo.has_z and not stored_y) or (keys and not queries and not stored_y)
+        if formed_scores or q_state_needed or keys:
             q = refs["q"][...]
         if formed_scores:
             scores = dot(q, k, mm, trans_b=True) * lam                  # recomputed (Q K̃ᵀ) ⊙ Λ
+        elif stored_scores:
+            scores = refs["scores"][...]                                # stored: float32 when keys read it
         if values or keys:
             d_state = refs["d_state"][...]
         q_state = dot(q, refs["state"][...], mm, trans_b=True) if q_state_needed else None   # Q·S_cᵀ [L, Pp]
 
         if values:
-            # the forward's masked scores, already in the dot operand dtype the dots below round them to
-            p = refs["scores"][...] if stored_scores else scores
+            p = scores                          # the dots below round it to the dot operand dtype
             skip = refs["skip"][...]
             if geo.has_z:                                               # step 1: the gate
                 y = (refs["ungated"][...] if stored_y
@@ -94,8 +96,14 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
             refs["dv"][...] = dv.astype(refs["dv"].dtype)
 
         if keys:                                                        # step 2: M = scores ⊙ A
-            m = scores * attn
-            r = jnp.sum(m, axis=1) - jnp.sum(m, axis=0)
+            m = scores.astype(F32) * attn
+            if stored_y:
+                # with y = (P·V) + e^{cs}(Q S_cᵀ) + skip·V: e^{cs_i}<dY_i, (Q S_cᵀ)_i> = <dY_i, y_i> − Σ_j m_ij
+                # − skip_i<dY_i, v_i>, so r needs neither Q·S_cᵀ nor the row sums of m
+                r = (jnp.sum(dy * refs["ungated"][...], axis=1) - refs["skip"][...] * jnp.sum(dy * v.astype(F32), axis=1)
+                     - jnp.sum(m, axis=0))
+            else:
+                r = jnp.sum(m, axis=1) - jnp.sum(m, axis=0)
             v_ds = dot(v, d_state, mm)                                  # V·dS  [L, Np]
             to_end = decay.to_end * jnp.sum(v_ds * k.astype(F32), axis=1)
             refs["dk"][...] = dot(attn * lam, q, mm, trans_a=True) + decay.to_end[:, None] * v_ds
@@ -107,9 +115,10 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
 
         if keys:
             # <dY_i, Q_i S_cᵀ> = <dY_i S_c, Q_i>: whichever of the two products this program has
-            diag = (jnp.sum(dy_state * q.astype(F32), axis=1) if queries
-                    else jnp.sum(dy * q_state, axis=1))
-            r = r + decay.read * diag
+            if not stored_y:
+                diag = (jnp.sum(dy_state * q.astype(F32), axis=1) if queries
+                        else jnp.sum(dy * q_state, axis=1))
+                r = r + decay.read * diag
             # d ADT: r_i − m_i summed from the right, plus ρ = e^{cs_end}<S, dS> + Σ m (docs/mamba3_siso.md §4.4 step 2)
             refs["d_adt"][...] = reverse_cumsum(r - to_end) + (decay.chunk * state_dot + jnp.sum(to_end))
 
@@ -124,11 +133,15 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
     if geo.has_z:
         outputs["values"].append(("dz", jax.ShapeDtypeStruct((bsz, Tp, H, Pp), jnp.dtype(ops["z"].dtype)),
                                   grid.head_rows(Pp)))
-    values_reads = {"k", "v", "z", "d_out", "adt", "skip", "d_state"} | {n for n in ("scores", "ungated") if n in ops}
+    kept = {n for n in ("scores", "ungated") if n in ops}     # the forward's products (chunk_forward.stores)
+    values_reads = {"k", "v", "z", "d_out", "adt", "skip", "d_state"} | kept
     if "scores" not in ops or (geo.has_z and "ungated" not in ops):
         values_reads |= {"q"} | ({"state"} if geo.has_z and "ungated" not in ops else set())
+    keys_reads = {"q", "k", "v", "z", "d_out", "adt", "state", "d_state"}
+    if geo.config.stored_for_keys:
+        keys_reads |= kept | ({"skip"} if "ungated" in kept else set())
     reads = {"values": values_reads,
-             "keys": {"q", "k", "v", "z", "d_out", "adt", "state", "d_state"},
+             "keys": keys_reads,
              "queries": {"k", "v", "z", "d_out", "adt", "state"}}
     launches = {1: [("values", "keys", "queries")], 2: [("values", "keys"), ("queries",)],
                 3: [("values",), ("keys",), ("queries",)]}[geo.config.gradient_kernels]

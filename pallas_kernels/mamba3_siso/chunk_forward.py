@@ -67,8 +67,8 @@ def chunk_outputs(geo: ScanGeometry, ops: dict, entering, *, for_backward: bool 
 
     Returns:
       (out [Bt, Tp, H, Pp] in V's dtype, dict of the stored products: "scores" [Bt, Tp, H, L] (row i of
-      chunk c is row i of that chunk's masked scores) in the dot operand dtype, "ungated" [Bt, Tp, H, Pp]
-      float32 Y before the gate).
+      chunk c is row i of that chunk's masked scores) in the dot operand dtype (float32 with
+      config.stored_for_keys), "ungated" [Bt, Tp, H, Pp] float32 Y before the gate).
     """
     grid = layout.ChunkGrid(geo)
     kept = stores(geo, for_backward)
@@ -91,7 +91,8 @@ def chunk_outputs(geo: ScanGeometry, ops: dict, entering, *, for_backward: bool 
     bsz, Tp, H, Pp = geo.batch, geo.padded_seqlen, geo.heads, geo.padded_headdim
     outputs = [("out", jax.ShapeDtypeStruct((bsz, Tp, H, Pp), jnp.dtype(geo.io_dtype)), grid.head_rows(Pp))]
     if "scores" in kept:
-        outputs.append(("scores", jax.ShapeDtypeStruct((bsz, Tp, H, geo.chunk), jnp.dtype(geo.matmul_dtype)),
+        scores_dtype = F32 if geo.config.stored_for_keys else jnp.dtype(geo.matmul_dtype)
+        outputs.append(("scores", jax.ShapeDtypeStruct((bsz, Tp, H, geo.chunk), scores_dtype),
                         grid.head_rows(geo.chunk)))
     if "ungated" in kept:
         outputs.append(("ungated", jax.ShapeDtypeStruct((bsz, Tp, H, Pp), F32), grid.head_rows(Pp)))

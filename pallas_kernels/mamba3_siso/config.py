@@ -74,6 +74,11 @@ class Mamba3ScanConfig:
       stored_ungated: with Z, the forward also writes the ungated output Y (float32, [Bt, Tp, H, Pp])
         and the values launch reads it for dZ instead of recomputing it (two dots fewer, and with
         stored_scores no Q or state read at all); no effect without Z. Needs gradient_kernels=3.
+      stored_for_keys: the keys gradient launch reads them too (needs stored_scores; the scores are then
+        kept in float32, since that launch multiplies them elementwise with ⟨dY_i, v_j⟩ in float32): no
+        Q·K̃ᵀ dot, and with the ungated Y no Q·S_cᵀ dot either, since e^{cs_i}⟨dY_i, (Q S_cᵀ)_i⟩ =
+        ⟨dY_i, Y_i⟩ − Σ_j M_ij − skip_i⟨dY_i, v_i⟩ (docs/mamba3_siso.md §4.4 step 2). One more
+        Bt·Tp·H·L float32 scores kept instead of the 16-bit ones.
     """
 
     state_block_p: int = 16
@@ -92,6 +97,7 @@ class Mamba3ScanConfig:
     angle_sums: str = "scan"
     stored_scores: bool = False
     stored_ungated: bool = False
+    stored_for_keys: bool = False
 
     def validate(self) -> "Mamba3ScanConfig":
         for name in ("state_block_p", "num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad",
@@ -119,7 +125,9 @@ class Mamba3ScanConfig:
         if self.stored_state_dtype not in STORED_STATE_DTYPES:
             raise ValueError(f"Mamba3ScanConfig.stored_state_dtype must be one of {STORED_STATE_DTYPES}, "
                              f"got {self.stored_state_dtype!r}")
-        for name in ("stored_scores", "stored_ungated"):
+        if self.stored_for_keys is True and not self.stored_scores:
+            raise ValueError("Mamba3ScanConfig.stored_for_keys=True needs stored_scores=True")
+        for name in ("stored_scores", "stored_ungated", "stored_for_keys"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")
             if getattr(self, name) and self.gradient_kernels != 3:
