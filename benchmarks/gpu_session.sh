@@ -17,7 +17,7 @@
 #                                                  side_train3 side_train1 (the PyTorch train anchor, one model each;
 #                                                  side_train3 needs only the selective-scan extension)
 #                                                  anchors_ss side_ops3 (only the selective-scan extension; the
-#                                                  Mamba-3 op side by side at the three PERF.md shapes)
+#                                                  Mamba-3 op side by side at the three op shapes of docs/performance.md)
 #                                                  m3_stored e2e3_stored (the stored-scores / ungated-Y variants:
 #                                                  op sweep at b8t2048 and b32t512, train step with profile;
 #                                                  e2e3_keys: the train step with stored_for_keys too)

@@ -36,6 +36,8 @@ from pallas_kernels.mamba3_siso import Mamba3ScanConfig
 from pallas_kernels.mamba3_siso.config import chunk_length, make_geometry
 
 STATES = Mamba3ScanState._fields
+# The stored-products defaults off (with one or two gradient launches they are refused).
+NOT_STORED = dict(stored_scores=False, stored_ungated=False)
 # Gradients that sum over (batch, time) or over a whole chunk of terms: compared at twice the tolerance.
 SUMMED = ("ADT", "DT", "Angles", "Q_bias", "K_bias", "D", "angle")
 
@@ -142,7 +144,8 @@ def test_chunk_gradients_in_one_two_or_three_launches_match_reference(with_z, ke
     """config.gradient_kernels (3, the default, is in every other test): the same gradients, each launch
     with its own share of the products and of the two formulas for ⟨dY_i, Q_i S_cᵀ⟩ in dADT."""
     arrays, states = make_inputs((2, 37, 4, 2, 8, 3, 2), jnp.float32, with_z=with_z, seed=6)
-    check_against_reference(arrays, states, 16, 2e-5, Mamba3ScanConfig(gradient_kernels=kernels))
+    config = Mamba3ScanConfig(gradient_kernels=kernels, **({} if kernels == 3 else NOT_STORED))
+    check_against_reference(arrays, states, 16, 2e-5, config)
 
 
 @pytest.mark.parametrize("with_z,scores,ungated,keys,dtype,tol", [
@@ -336,7 +339,7 @@ def test_stored_scores_and_ungated_output_lower_for_h200(keys):
 
 @pytest.mark.parametrize("kernels", [1, 2])
 def test_one_or_two_gradient_launches_lower_for_h200(kernels):
-    config = Mamba3ScanConfig(gradient_kernels=kernels, stored_state_dtype="float32", num_warps_grad=8)
+    config = Mamba3ScanConfig(gradient_kernels=kernels, stored_state_dtype="float32", num_warps_grad=8, **NOT_STORED)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
     assert text.count("__gpu$xla.gpu.triton") == 7 + kernels
 
@@ -423,9 +426,10 @@ def test_bad_config_raises_naming_the_field(field, value):
 @pytest.mark.parametrize("field", ["stored_scores", "stored_ungated"])
 def test_stored_products_need_the_values_launch_apart(field):
     with pytest.raises(ValueError, match=f"{field}=True needs gradient_kernels=3"):
-        Mamba3ScanConfig(**{field: True, "gradient_kernels": 2}).validate()
+        Mamba3ScanConfig(**dict(NOT_STORED, **{field: True}), gradient_kernels=2).validate()
     with pytest.raises(ValueError, match="stored_for_keys=True needs stored_scores=True"):
-        Mamba3ScanConfig(stored_for_keys=True).validate()
+        Mamba3ScanConfig(stored_scores=False, stored_for_keys=True).validate()
+    Mamba3ScanConfig(gradient_kernels=1, **NOT_STORED).validate()     # the stored products off: any launch count
 
 
 def test_chunk_size_is_rounded_to_a_power_of_two_the_dots_accept():
@@ -476,7 +480,7 @@ def test_gpu_other_kernel_variants_match_reference(with_z, kernels):
     """The non-default launch variants a sweep may pick: one or three gradient launches, float32 stored
     states, other warp counts."""
     config = Mamba3ScanConfig(gradient_kernels=kernels, stored_state_dtype="float32", num_warps_grad=8,
-                              num_warps_chunk=8, num_warps_qk=4)
+                              num_warps_chunk=8, num_warps_qk=4, **NOT_STORED)
     arrays, states = make_inputs((3, 1000, 8, 2, 128, 64, 32), jnp.bfloat16, with_z=with_z, seed=8)
     check_against_reference(arrays, states, 64, 2.5e-2, config)
 

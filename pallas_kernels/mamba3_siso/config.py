@@ -95,8 +95,8 @@ class Mamba3ScanConfig:
     max_chunk: int = 128
     stored_state_dtype: str = "dot_operand"
     angle_sums: str = "scan"
-    stored_scores: bool = False
-    stored_ungated: bool = False
+    stored_scores: bool = True
+    stored_ungated: bool = True
     stored_for_keys: bool = False
 
     def validate(self) -> "Mamba3ScanConfig":
@@ -132,14 +132,18 @@ class Mamba3ScanConfig:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")
             if getattr(self, name) and self.gradient_kernels != 3:
                 raise ValueError(f"Mamba3ScanConfig.{name}=True needs gradient_kernels=3 (the values gradients in "
-                                 f"their own launch), got gradient_kernels={self.gradient_kernels}")
+                                 f"their own launch), got gradient_kernels={self.gradient_kernels}: pass "
+                                 f"stored_scores=False, stored_ungated=False with 1 or 2 gradient launches")
         return self
 
 
 # Frozen default for the benchmark shape (docs/performance.md) (H=24, P=64, N=128, chunk 64), from the H200 sweeps and the
 # register / spill / barrier counts in benchmarks/notes_mamba3_scan.md: 4 warps for the dot kernels
 # (2 CTAs per SM), chunk gradients in three launches (the one- and two-launch kernels spill), chunk
-# states stored in the dot operand dtype, 8 warps for the query/key kernels (no spills).
+# states stored in the dot operand dtype, 8 warps for the query/key kernels (no spills), the masked
+# scores and the ungated Y kept for the values gradient launch (fwd+bwd 2.99 -> 2.69 ms at B=8 T=2048,
+# train step 94.8 -> 87.7 ms for +3.4 GiB; session 16), not for the keys launch (no gain: its float32
+# scores slow the values launch and the forward as much as they speed the keys launch).
 DEFAULT_CONFIG = Mamba3ScanConfig()
 
 
