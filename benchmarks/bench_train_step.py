@@ -94,14 +94,15 @@ def build(args):
 def scan_tuning(args):
     """The Mamba-3 scan's chunk (a tuning knob of the op; the official 64, 16 for the tiny run) and,
     with --scan-config, the Pallas config of the --arch scan (ScanBlockConfig or Mamba3ScanConfig)."""
+    config = None
     if args.scan_config:   # needs the repo root on sys.path (PYTHONPATH=$PWD, as gpu_session.sh sets)
         from benchmarks.measure import scan_config
-    m3_config = scan_config(args.scan_config, "mamba3") if args.scan_config and args.arch == "mamba3" else None
+        config = scan_config(args.scan_config, args.arch)
     with contextlib.ExitStack() as stack:
         stack.enter_context(jmamba.ops.tuning("mamba3_siso_scan", chunk_size=16 if args.tiny else 64,
-                                              **({"pallas_config": m3_config} if m3_config else {})))
-        if args.scan_config and args.arch == "mamba1":
-            stack.enter_context(jmamba.ops.tuning("selective_scan", pallas_config=scan_config(args.scan_config)))
+                                              **({"pallas_config": config} if config and args.arch == "mamba3" else {})))
+        if config and args.arch == "mamba1":
+            stack.enter_context(jmamba.ops.tuning("selective_scan", pallas_config=config))
         yield
 
 

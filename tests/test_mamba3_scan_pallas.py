@@ -164,8 +164,9 @@ def test_stored_scores_and_ungated_output_match_reference(with_z, scores, ungate
 
 
 def test_stored_products_are_kept_only_for_a_backward():
-    """A plain forward writes no scores or ungated output; under the VJP the residuals hold them, in
-    the dot operand dtype and float32, one [L] row per position."""
+    """The chunk-output kernel writes the scores and ungated output only when asked for the backward
+    (core._core_fwd asks, the plain forward does not), in the dot operand dtype and float32, one [L]
+    row of scores per position."""
     from pallas_kernels.mamba3_siso import chunk_forward
     geo = make_geometry(batch=1, seqlen=32, heads=2, groups=1, headdim=16, d_state=16, num_angles=2, chunk_size=16,
                         has_z=True, matmul_dtype=jnp.bfloat16, io_dtype=jnp.bfloat16,
@@ -426,9 +427,12 @@ def test_bad_config_raises_naming_the_field(field, value):
 def test_stored_products_need_the_values_launch_apart(field):
     with pytest.raises(ValueError, match=f"{field}=True needs gradient_kernels=3"):
         Mamba3ScanConfig(**dict(NOT_STORED, **{field: True}), gradient_kernels=2).validate()
+
+
+def test_stored_for_keys_needs_stored_scores_and_nothing_stored_takes_any_launch_count():
     with pytest.raises(ValueError, match="stored_for_keys=True needs stored_scores=True"):
         Mamba3ScanConfig(stored_scores=False, stored_for_keys=True).validate()
-    Mamba3ScanConfig(gradient_kernels=1, **NOT_STORED).validate()     # the stored products off: any launch count
+    Mamba3ScanConfig(gradient_kernels=1, **NOT_STORED).validate()
 
 
 def test_chunk_size_is_rounded_to_a_power_of_two_the_dots_accept():
@@ -487,7 +491,8 @@ def test_gpu_other_kernel_variants_match_reference(with_z, kernels):
 @pytest.mark.gpu
 @pytest.mark.parametrize("scores,ungated,keys", [(True, True, False), (True, False, False), (True, True, True)])
 def test_gpu_stored_scores_and_ungated_output_match_reference(scores, ungated, keys):
-    """The stored-products variants (sweep candidates) at the benchmark shape, shared angles as in the model."""
+    """The default (scores and ungated Y stored) and the other stored-products variants at the benchmark
+    shape, shared angles as in the model."""
     arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=14)
     check_against_reference(dict(arrays, Angles=arrays["Angles"][:, :, :1]), states, 64, 2.5e-2,
                             Mamba3ScanConfig(stored_scores=scores, stored_ungated=ungated, stored_for_keys=keys))

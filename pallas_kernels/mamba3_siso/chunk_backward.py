@@ -78,20 +78,19 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
         if formed_scores:
             scores = dot(q, k, mm, trans_b=True) * lam                  # recomputed (Q K̃ᵀ) ⊙ Λ
         elif stored_scores:
-            scores = refs["scores"][...]                                # stored: float32 when keys read it
+            scores = refs["scores"][...]     # stored: float32 when keys read it; the dots round it to mm anyway
         if values or keys:
             d_state = refs["d_state"][...]
         q_state = dot(q, refs["state"][...], mm, trans_b=True) if q_state_needed else None   # Q·S_cᵀ [L, Pp]
 
         if values:
-            p = scores                          # the dots below round it to the dot operand dtype
             skip = refs["skip"][...]
             if geo.has_z:                                               # step 1: the gate
                 y = (refs["ungated"][...] if stored_y
-                     else dot(p, v, mm) + decay.read[:, None] * q_state + skip[:, None] * v.astype(F32))
+                     else dot(scores, v, mm) + decay.read[:, None] * q_state + skip[:, None] * v.astype(F32))
                 refs["dz"][...] = (d_out * y * sz * (1.0 + z * (1.0 - sz))).astype(refs["dz"].dtype)
             refs["d_skip"][...] = jnp.sum(dy * v.astype(F32), axis=1)
-            dv = (dot(p, dy, mm, trans_a=True) + skip[:, None] * dy
+            dv = (dot(scores, dy, mm, trans_a=True) + skip[:, None] * dy
                   + decay.to_end[:, None] * dot(k, d_state, mm, trans_b=True))
             refs["dv"][...] = dv.astype(refs["dv"].dtype)
 

@@ -49,8 +49,9 @@ def chunk_output(geo: ScanGeometry, decay: ChunkDecay, lam, q, k, v, skip, state
 
 
 def stores(geo: ScanGeometry, for_backward: bool) -> tuple:
-    """Names of the products the forward keeps for the values gradient launch (config.stored_scores,
-    stored_ungated): "scores" and/or "ungated", only when a backward will run."""
+    """Names of the products the forward keeps for the values (and, with config.stored_for_keys, keys)
+    gradient launches (config.stored_scores, stored_ungated): "scores" and/or "ungated", only when a
+    backward will run."""
     if not for_backward:
         return ()
     cfg = geo.config
