@@ -71,7 +71,17 @@ SWEEP = [
     dataclasses.replace(DEFAULT_CONFIG, stored_scores=False, stored_ungated=True),
     dataclasses.replace(DEFAULT_CONFIG, stored_for_keys=True),
 ]
-SWEEP_SETS = {"all": SWEEP, "stored": [DEFAULT_CONFIG] + SWEEP[-4:]}   # the stored-products variants
+# The query/key gradient kernel's knobs (session 17): row blocks per chunk, its own warps, head slices,
+# the angle sums by triangular dots.
+QK_SWEEP = [DEFAULT_CONFIG] + [dataclasses.replace(DEFAULT_CONFIG, **kw) for kw in (
+    dict(angle_sums="matmul"), dict(num_warps_qk_grad=4), dict(num_warps_qk_grad=16),
+    dict(qk_grad_blocks=2), dict(qk_grad_blocks=2, num_warps_qk_grad=4), dict(qk_grad_blocks=4),
+    dict(qk_grad_blocks=4, num_warps_qk_grad=4), dict(qk_grad_blocks=2, qk_head_splits=8),
+    dict(qk_head_splits=8), dict(qk_head_splits=12), dict(qk_head_splits=2, qk_grad_blocks=4),
+    dict(num_warps_qk=4), dict(num_warps_qk=16), dict(qk_gradient_dtype="float32"),
+    dict(qk_grad_blocks=2, num_warps_qk_grad=4), dict(qk_gradient_dtype="float32", qk_grad_blocks=4))]
+QK16 = [DEFAULT_CONFIG] + QK_SWEEP[-3:]
+SWEEP_SETS = {"all": SWEEP, "stored": [DEFAULT_CONFIG] + SWEEP[-4:], "qk": QK_SWEEP, "qk16": QK16}
 
 
 def make_args(bsz, T, dims, dtype=jnp.bfloat16, seed=0):
@@ -279,7 +289,8 @@ def _short(cfg):
     return (f"chunk<={cfg.max_chunk} combine-rows{cfg.state_block_p} warps combine/local/out/grad "
             f"{cfg.num_warps_state}/{cfg.num_warps_local}/{cfg.num_warps_chunk}/{cfg.num_warps_grad} "
             f"stages{cfg.num_stages} states-{cfg.stored_state_dtype} "
-            f"grad-launches{cfg.gradient_kernels} qk-warps{cfg.num_warps_qk} qk-splits{cfg.qk_head_splits} "
+            f"grad-launches{cfg.gradient_kernels} qk-warps{cfg.num_warps_qk}/{cfg.num_warps_qk_grad} "
+            f"qk-splits{cfg.qk_head_splits} qk-grad-blocks{cfg.qk_grad_blocks} dqk-{cfg.qk_gradient_dtype} "
             f"angle-sums-{cfg.angle_sums}" + (" stored-scores" if cfg.stored_scores else "")
             + (" stored-ungated" if cfg.stored_ungated else "") + (" stored-for-keys" if cfg.stored_for_keys else ""))
 
@@ -295,7 +306,8 @@ def main(argv=None):
     p.add_argument("--ref-iters", type=int, default=10, help="runs of the (slow) reference")
     p.add_argument("--sweep", action="store_true", help="after the table, time the SWEEP Pallas configs at the first shape")
     p.add_argument("--sweep-set", default="all", choices=sorted(SWEEP_SETS),
-                   help="which candidates --sweep times: all, or stored (the default and the stored-products variants)")
+                   help="which candidates --sweep times: all, stored (the default and the stored-products variants) "
+                        "qk (the query/key kernels' knobs) or qk16 (dq, dk̃ in bf16 or float32)")
     p.add_argument("--breakdown", action="store_true", help="time each Pallas launch at the first shape")
     p.add_argument("--workers", type=int, default=16, help="parallel compile threads")
     p.add_argument("--json", default=None, help="write all numbers here")

@@ -120,18 +120,21 @@ def loss_fn(logits, batch):
 def profile_steps(step, state, batches, n):
     """Traces n steps (state threaded through) and prints the per-kernel and per-category device times
     per step (benchmarks/profile_kernels.py); returns the last state."""
-    from benchmarks.profile_kernels import report, report_categories, traced_kernel_times
+    from benchmarks.profile_kernels import gap_report, host_during_gaps, report, report_categories, traced_kernel_times
     box = [state]
 
     def run():
         for i in range(n):
             box[0], m = step(box[0], batches[i % 2])
             jax.block_until_ready((box[0], m))
-    totals, wall = traced_kernel_times(run)
+    intervals, host = [], []
+    totals, wall = traced_kernel_times(run, intervals, host)
     print(f"\n# per-kernel device time per step ({n} traced steps, wall {wall / n * 1e3:.1f} ms/step traced)")
     report_categories(totals, n)
     print()
     report(totals, n, top=40)
+    gap_report(intervals, n)
+    host_during_gaps(intervals, host, n, min_gap_us=1000)
     return box[0]
 
 

@@ -21,6 +21,9 @@
 #                                                  m3_stored e2e3_stored (the stored-scores / ungated-Y variants:
 #                                                  op sweep at b8t2048 and b32t512, train step with profile;
 #                                                  e2e3_keys: the train step with stored_for_keys too)
+#                                                  m3_qk (the query/key kernels' knobs: op sweep at both shapes)
+#                                                  m3_qk16 m3_prof16 e2e3_qk16 (dq, dk̃ in bf16, the default, vs float32:
+#                                                  op sweep, per-kernel profiles of the op, train step with profile)
 # anchors_* / side_*: the official kernels and PyTorch model (the anchors folder copied to .anchors, carried):
 # anchors_build starts their CUDA build in the background (~7 min), side_* wait for it.
 #                                                  (default: the list in `stages=` below)
@@ -87,6 +90,13 @@ for s in $stages; do case $s in
   side_ops3)   wait_ss && XLA_PYTHON_CLIENT_PREALLOCATE=false run side_by_side_ops_mamba3 420 python3 -c "import sys; sys.argv = ['x', '/tmp/ab', 'none']; sys.path[:0] = ['.anchors', '.']; import side_by_side as s; [s.m3_op(b=b, l=l) for b, l in ((8, 2048), (32, 512), (2, 8192))]" ;;
   m3_stored)   run m3_bench_stored 300 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b8t2048 --sweep --sweep-set stored ;
                run m3_bench_stored_b32 200 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b32t512 --sweep --sweep-set stored ;;
+  m3_qk)       run m3_bench_qk 300 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b8t2048 --sweep --sweep-set qk ;
+               run m3_bench_qk_b32 240 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b32t512 --sweep --sweep-set qk ;;
+  m3_qk16)     run m3_bench_qk16 200 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b8t2048 --sweep --sweep-set qk16 ;
+               run m3_bench_qk16_b32 200 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b32t512 --sweep --sweep-set qk16 ;;
+  m3_prof16)   for sh in b8t2048 b32t512; do run m3_profile_$sh 60 python3 benchmarks/profile_kernels.py mamba3 --shape $sh --iters 10 ;
+               run m3_profile_${sh}_dqk_f32 60 python3 benchmarks/profile_kernels.py mamba3 --shape $sh --iters 10 --scan-config qk_gradient_dtype=float32 ; done ;;
+  e2e3_qk16)   run e2e_mamba3_dqk_f32 170 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config qk_gradient_dtype=float32 --profile 3 ;;
   e2e3_stored) run e2e_mamba3_stored 170 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config stored_scores=True,stored_ungated=True --profile 3 ;;
   e2e3_keys)   run e2e_mamba3_stored_for_keys 170 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config stored_scores=True,stored_ungated=True,stored_for_keys=True --profile 3 ;;
   side_ops)    wait_anchors && run side_by_side_ops 240 python3 .anchors/side_by_side.py /tmp/ab ops --project . ;;

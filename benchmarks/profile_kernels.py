@@ -2,6 +2,7 @@
 
     python3 benchmarks/profile_kernels.py mamba3 [--shape b8t2048] [--iters 10]   # Mamba-3 scan fwd+bwd
     python3 benchmarks/profile_kernels.py mamba3 --forward                         # forward only
+    python3 benchmarks/profile_kernels.py mamba3 --scan-config qk_gradient_dtype=dot_operand   # another config
     python3 benchmarks/profile_kernels.py mamba3 --tiny      # CPU smoke run (interpret mode; no device events)
 
 Runs the function `--iters` times inside `jax.profiler.trace`, reads the trace back with
@@ -30,20 +31,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_mamba3_scan as m3  # noqa: E402
 
 
-def kernel_times(fn, args, iters):
+def kernel_times(fn, args, iters, intervals=None, host_events=None):
     """({kernel name: (total ns, count)}, wall seconds) over `iters` calls of fn(*args) (compiled and
-    warmed up first)."""
+    warmed up first); `intervals`, a list, also gets each kernel's (start, end) ns."""
     jax.block_until_ready(fn(*args))
 
     def run():
         for _ in range(iters):
             jax.block_until_ready(fn(*args))
-    return traced_kernel_times(run)
+    return traced_kernel_times(run, intervals, host_events)
 
 
-def traced_kernel_times(run):
+def traced_kernel_times(run, intervals=None, host_events=None):
     """({kernel name: (total ns, count)}, wall seconds) of the GPU kernels that `run()` launches (a
-    callable that does its own iterations and blocks on its results)."""
+    callable that does its own iterations and blocks on its results); `intervals`, a list, also gets
+    each kernel's (start, end) ns, and `host_events` every host trace event as (thread, name, start,
+    end) ns (for host_during_gaps)."""
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             t0 = time.perf_counter()
@@ -53,6 +56,8 @@ def traced_kernel_times(run):
         data = jax.profiler.ProfileData.from_file(path)
     totals = collections.defaultdict(lambda: [0, 0])
     for plane in data.planes:
+        if host_events is not None and plane.name.startswith("/host:"):
+            host_events.extend((line.name, ev.name, ev.start_ns, ev.end_ns) for line in plane.lines for ev in line.events)
         if not plane.name.startswith("/device:"):
             continue
         for line in plane.lines:
@@ -61,7 +66,69 @@ def traced_kernel_times(run):
             for ev in line.events:
                 totals[ev.name][0] += ev.duration_ns
                 totals[ev.name][1] += 1
+                if intervals is not None:
+                    intervals.append((ev.start_ns, ev.end_ns))
     return totals, wall
+
+
+GAP_BUCKETS_US = (2, 5, 10, 20, 50, 100, 1000)
+
+
+def long_gaps(intervals, min_gap_us=100):
+    """(start, end) ns of the device's idle stretches of at least min_gap_us between kernels."""
+    out, end = [], None
+    for start, stop in sorted(intervals):
+        if end is not None and start - end >= min_gap_us * 1e3:
+            out.append((end, start))
+        end = stop if end is None else max(end, stop)
+    return out
+
+
+def host_during_gaps(intervals, host_events, iters, min_gap_us=100, top=25):
+    """Prints what the host was doing while the device sat idle for >= min_gap_us: per host trace
+    event name (and thread), its time inside those idle stretches, per call (nested events are each
+    counted)."""
+    gaps = long_gaps(intervals, min_gap_us)
+    if not gaps or not host_events:
+        return
+    inside = collections.Counter()
+    for thread, name, start, stop in host_events:
+        for g0, g1 in gaps:
+            overlap = min(stop, g1) - max(start, g0)
+            if overlap > 0:
+                inside[(thread[:30], name[:80])] += overlap
+    total = sum(g1 - g0 for g0, g1 in gaps)
+    print(f"\n# host trace events inside the device's idle stretches >= {min_gap_us} µs "
+          f"({len(gaps) / iters:g} per call, {total / iters / 1e3:.1f} µs per call)\n")
+    print("| host thread | event | µs per call inside the gaps |\n|---|---|---|")
+    for (thread, name), ns in inside.most_common(top):
+        print(f"| {thread} | {name} | {ns / iters / 1e3:.1f} |")
+
+
+def gap_report(intervals, iters):
+    """Prints the device's idle time between consecutive kernels (all streams merged), bucketed by
+    gap length, per call: what the wall time adds to the kernel sum on the device's timeline (short
+    gaps: launch latency between dependent kernels; long ones: the host dispatching the next call)."""
+    if not intervals:
+        return
+    buckets = collections.Counter()
+    sums = collections.Counter()
+    end = None
+    for start, stop in sorted(intervals):
+        if end is not None and start > end:
+            gap_us = (start - end) / 1e3
+            b = next((x for x in GAP_BUCKETS_US if gap_us < x), "more")
+            buckets[b] += 1
+            sums[b] += gap_us
+        end = stop if end is None else max(end, stop)
+    print("\n| idle gap between kernels | gaps per call | µs per call |\n|---|---|---|")
+    low = 0
+    for b in GAP_BUCKETS_US + ("more",):
+        if buckets[b]:
+            label = f"{low}–{b} µs" if b != "more" else f">= {low} µs"
+            print(f"| {label} | {buckets[b] / iters:g} | {sums[b] / iters:.1f} |")
+        low = b if b != "more" else low
+    print(f"| **all** | {sum(buckets.values()) / iters:g} | {sum(sums.values()) / iters:.1f} |", flush=True)
 
 
 CATEGORIES = (   # (category, substrings of XLA / Pallas kernel names), first match wins
@@ -120,13 +187,19 @@ def main(argv=None):
     p.add_argument("--forward", action="store_true")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--tiny", action="store_true", help="tiny shape, interpret mode (CPU smoke run)")
+    p.add_argument("--scan-config", default=None, metavar="K=V,...",
+                   help="Mamba3ScanConfig fields to change from the default, e.g. qk_gradient_dtype=dot_operand")
     a = p.parse_args(argv)
     if a.tiny:
         (bsz, T), dims, chunk, a.shape, a.iters = m3.TINY["shape"], m3.TINY["dims"], m3.TINY["chunk"], "tiny", 1
     else:
         (bsz, T), dims, chunk = m3.SHAPES[a.shape], m3.DIMS, 64
     args = m3.make_args(bsz, T, dims)
-    fn = m3.op_function("pallas", chunk, m3.DEFAULT_CONFIG)
+    config = m3.DEFAULT_CONFIG
+    if a.scan_config:
+        from benchmarks.measure import scan_config
+        config = scan_config(a.scan_config, "mamba3")
+    fn = m3.op_function("pallas", chunk, config)
     if a.forward:
         f, fargs = jax.jit(fn), (args,)
     else:
@@ -134,8 +207,11 @@ def main(argv=None):
         f, fargs = jax.jit(m3.forward_and_backward(fn)), (args, d_out)
     print(f"# {a.what} {'forward' if a.forward else 'forward+backward'} at {a.shape}, {a.iters} calls, "
           f"{jax.devices()[0].device_kind}\n")
-    totals, wall = kernel_times(f, fargs, a.iters)
+    intervals, host = [], []
+    totals, wall = kernel_times(f, fargs, a.iters, intervals, host)
     report(totals, a.iters)
+    gap_report(intervals, a.iters)
+    host_during_gaps(intervals, host, a.iters)
     rows = [{"kernel": name, "launches": n / a.iters, "seconds": {"per call": t / a.iters / 1e9}}
             for name, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])]
     print(f"wall time per call (profiled): {wall / a.iters * 1e3:.3f} ms")

@@ -139,6 +139,23 @@ def test_bf16_stored_states_stay_close_to_reference():
     check_against_reference(arrays, states, 16, 2e-2, Mamba3ScanConfig(stored_state_dtype="bfloat16"))
 
 
+def test_16_bit_query_key_gradients_stay_close_to_reference():
+    """qk_gradient_dtype="dot_operand" with float16 dots (dq, dk̃ between the launches in f16) only adds
+    one rounding: every value and cotangent within the 16-bit tolerance. (The default, "bfloat16_dots",
+    runs in every bf16 case of this file.) Which dtype each choice gives for each dot dtype."""
+    arrays, states = make_inputs((1, 40, 2, 1, 8, 16, 2), jnp.float16, seed=5)
+    check_against_reference(arrays, states, 16, 2e-2, Mamba3ScanConfig(qk_gradient_dtype="dot_operand"))
+
+    def dtype(choice, mm):
+        return make_geometry(batch=1, seqlen=40, heads=2, groups=1, headdim=16, d_state=8, num_angles=2,
+                             chunk_size=16, has_z=True, matmul_dtype=mm, io_dtype=mm,
+                             config=Mamba3ScanConfig(qk_gradient_dtype=choice)).qk_gradient_dtype
+    assert dtype("bfloat16_dots", jnp.bfloat16) == jnp.bfloat16
+    assert dtype("bfloat16_dots", jnp.float16) == jnp.float32 and dtype("bfloat16_dots", jnp.float32) == jnp.float32
+    assert dtype("dot_operand", jnp.float16) == jnp.float16 and dtype("dot_operand", jnp.float32) == jnp.float32
+    assert dtype("float32", jnp.bfloat16) == jnp.float32
+
+
 @pytest.mark.parametrize("with_z,kernels", [(True, 1), (False, 1), (True, 2), (False, 2), (False, 3)])
 def test_chunk_gradients_in_one_two_or_three_launches_match_reference(with_z, kernels):
     """config.gradient_kernels (3, the default, is in every other test): the same gradients, each launch
@@ -190,25 +207,37 @@ def test_angle_sums_by_matmul_match_reference():
     check_against_reference(arrays, states, 16, 2e-5, Mamba3ScanConfig(angle_sums="matmul"))
 
 
-@pytest.mark.parametrize("N,S,G,H,splits,shared,sums", [
-    (7, 1, 3, 6, 4, True, "scan"), (7, 1, 3, 6, 1, False, "scan"), (12, 6, 1, 2, 4, True, "scan"),
-    (8, 0, 2, 4, 4, True, "scan"), (40, 10, 1, 3, 4, False, "scan"), (7, 1, 1, 6, 4, True, "scan"),
-    (7, 1, 1, 6, 4, False, "scan"), (40, 10, 1, 3, 4, True, "matmul"), (36, 16, 2, 4, 2, False, "matmul")],
+def test_query_key_gradient_blocks_match_reference():
+    """Mamba3ScanConfig(qk_grad_blocks=2) through the op (8-row programs of the query/key gradient
+    kernel; T=21 leaves the last chunk padded): every value and cotangent."""
+    arrays, states = make_inputs((1, 21, 2, 1, 40, 8, 10), jnp.float32, seed=12)
+    check_against_reference(arrays, states, 16, 2e-5, Mamba3ScanConfig(qk_grad_blocks=2))
+
+
+@pytest.mark.parametrize("N,S,G,H,splits,shared,sums,blocks,chunk", [
+    (7, 1, 3, 6, 4, True, "scan", 1, 16), (7, 1, 3, 6, 1, False, "scan", 1, 16), (12, 6, 1, 2, 4, True, "scan", 1, 16),
+    (8, 0, 2, 4, 4, True, "scan", 1, 16), (40, 10, 1, 3, 4, False, "scan", 1, 16), (7, 1, 1, 6, 4, True, "scan", 1, 16),
+    (7, 1, 1, 6, 4, False, "scan", 1, 16), (40, 10, 1, 3, 4, True, "matmul", 1, 16),
+    (36, 16, 2, 4, 2, False, "matmul", 1, 16), (40, 10, 1, 3, 4, True, "scan", 2, 16),
+    (7, 1, 1, 6, 4, False, "scan", 4, 32), (36, 16, 2, 4, 2, True, "matmul", 2, 32)],
     ids=["rest-padded-groups", "one-slice-per-group", "full-rope", "no-angles", "three-heads",
          "three-slices-of-two-heads", "three-slices-per-head-rates", "angle-sums-by-matmul",
-         "angle-sums-by-matmul-per-head"])
-def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits, shared, sums):
+         "angle-sums-by-matmul-per-head", "gradient-blocks-of-8-rows", "gradient-blocks-per-head-rates",
+         "gradient-blocks-angle-sums-by-matmul"])
+def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits, shared, sums, blocks, chunk):
     """The per-head q, k̃ kernel (and the θ it writes) against queries_keys.head_queries_keys at the
     angles of queries_keys.position_angles(rate·DT), and the query/key gradient kernel against JAX's
     VJP of the two (every cotangent: Q, K, both biases, scale, the angle rates, shared by the heads or
-    per head, DT, angles entering the chunks)."""
+    per head, DT, angles entering the chunks), whole chunks per program or blocks of their rows
+    (qk_grad_blocks: the later blocks' angle-gradient totals added outside the kernel)."""
     from pallas_kernels.mamba3_siso import qk_gradients, queries_keys
 
-    bsz, T = 2, 32
-    geo = make_geometry(batch=bsz, seqlen=T, heads=H, groups=G, headdim=16, d_state=N, num_angles=S, chunk_size=16,
-                        has_z=False, matmul_dtype=jnp.float32, io_dtype=jnp.float32, interpret=True,
-                        config=Mamba3ScanConfig(qk_head_splits=splits, angle_sums=sums))
+    bsz, T = 2, 2 * chunk
+    geo = make_geometry(batch=bsz, seqlen=T, heads=H, groups=G, headdim=16, d_state=N, num_angles=S,
+                        chunk_size=chunk, has_z=False, matmul_dtype=jnp.float32, io_dtype=jnp.float32, interpret=True,
+                        config=Mamba3ScanConfig(qk_head_splits=splits, angle_sums=sums, qk_grad_blocks=blocks))
     assert geo.angle_sums_by_matmul == (sums == "matmul")
+    assert geo.qk_grad_rows == chunk // blocks
     assert geo.qk_splits == {2: min(splits, 2), 3: 3, 6: 3}[H // G]    # the largest divisor <= splits
     r = np.random.default_rng(9)
     Np, Sp = geo.padded_state, geo.angle_width
@@ -220,7 +249,7 @@ def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits, sh
     rate = None if S == 0 else jnp.pad(jnp.asarray(r.uniform(-3.0, 3.0, (bsz, T, 1 if shared else H, S)),
                                                    jnp.float32), pad)
     dt = None if S == 0 else jnp.asarray(r.uniform(0.01, 0.3, (bsz, T, H)), jnp.float32)
-    entry = None if S == 0 else jnp.pad(jnp.asarray(r.uniform(0, 2 * np.pi, (bsz, T // 16, H, S)), jnp.float32), pad)
+    entry = None if S == 0 else jnp.pad(jnp.asarray(r.uniform(0, 2 * np.pi, (bsz, 2, H, S)), jnp.float32), pad)
     args = (Q, K, Q_bias, K_bias, scale, rate, dt, entry)
 
     def reference(Q, K, Q_bias, K_bias, scale, rate, dt, entry):
@@ -330,6 +359,14 @@ def test_angle_sums_by_matmul_lower_for_h200():
     assert text.count("__gpu$xla.gpu.triton") == 10
 
 
+def test_query_key_gradient_blocks_lower_for_h200():
+    """qk_grad_blocks=4 (16-row programs) and 16 warps for the query/key gradient kernel, reading float32
+    dq, dk̃ (qk_gradient_dtype="float32"; the default bf16 ones lower in the tests above)."""
+    config = Mamba3ScanConfig(qk_grad_blocks=4, num_warps_qk_grad=16, qk_gradient_dtype="float32")
+    text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
+    assert text.count("__gpu$xla.gpu.triton") == 10
+
+
 def test_stored_for_keys_lowers_for_h200():
     """(The default, scores and ungated Y stored for the values launch, is lowered by the tests above.)"""
     config = Mamba3ScanConfig(stored_for_keys=True)
@@ -417,7 +454,8 @@ def test_kernel_refuses_a_reset_mask_and_a_bad_config():
                                          ("min_chunk", 8), ("num_warps_grad", 64),
                                          ("num_stages", 0), ("max_chunk", 96), ("stored_state_dtype", "float16"),
                                          ("stored_scores", 1), ("stored_ungated", "yes"),
-                                         ("stored_for_keys", 1)])
+                                         ("stored_for_keys", 1), ("num_warps_qk_grad", 64), ("qk_grad_blocks", 3),
+                                         ("qk_gradient_dtype", "bfloat16")])
 def test_bad_config_raises_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         Mamba3ScanConfig(**{field: value}).validate()
@@ -504,6 +542,27 @@ def test_gpu_angle_sums_by_matmul_match_reference():
     arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=12)
     check_against_reference(dict(arrays, Angles=arrays["Angles"][:, :, :1]), states, 64, 2.5e-2,
                             Mamba3ScanConfig(angle_sums="matmul"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("blocks,warps,shared", [(2, 8, True), (4, 16, False)])
+def test_gpu_query_key_gradient_blocks_match_reference(blocks, warps, shared):
+    """The query/key gradient kernel on blocks of a chunk's rows (sweep candidates) at the benchmark
+    shape, angles shared by the heads (the model's case) or per head."""
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=15)
+    if shared:
+        arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
+    check_against_reference(arrays, states, 64, 2.5e-2,
+                            Mamba3ScanConfig(qk_grad_blocks=blocks, num_warps_qk_grad=warps))
+
+
+@pytest.mark.gpu
+def test_gpu_float32_query_key_gradients_match_reference():
+    """qk_gradient_dtype="float32" (the default keeps dq, dk̃ in bf16 for bf16 dots) at the benchmark
+    shape, shared angles as in the model."""
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=16)
+    check_against_reference(dict(arrays, Angles=arrays["Angles"][:, :, :1]), states, 64, 2.5e-2,
+                            Mamba3ScanConfig(qk_gradient_dtype="float32"))
 
 
 @pytest.mark.gpu

@@ -19,7 +19,8 @@ queries dQ): each launch recomputes the few products it shares with the others (
 scores), in exchange for fewer live tiles per program (the one-launch kernel spills).
 
 Numerics: float32 everywhere except dot operands (`matmul_dtype`, as in the forward); dV, dZ are
-rounded once to their dtype; dQ, dK̃ and the per-position scalar gradients are float32.
+rounded once to their dtype; dQ, dK̃ are float32 (or rounded once to the dot operand dtype,
+config.qk_gradient_dtype) and the per-position scalar gradients are float32.
 HBM: each launch reads its share of Q, K̃, V, Z, dO, two per-position scalars and two stored states
 per chunk; together they write dV, dZ, dQ, dK̃ and two per-position scalars.
 No atomics: every output element is written by exactly one program.
@@ -48,7 +49,8 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
       leaving_adjoint: [Bt, H, nc, Pp, Np] adjoint of the state leaving each chunk.
 
     Returns:
-      dict with dq, dk [Bt, Tp, H, Np] float32 (gradients of the kernel's Q and K̃), dv [Bt, Tp, H, Pp]
+      dict with dq, dk [Bt, Tp, H, Np] (gradients of the kernel's Q and K̃; float32, or the dot operand
+      dtype with config.qk_gradient_dtype "dot_operand"), dv [Bt, Tp, H, Pp]
       (V dtype), dz (Z dtype, when Z), d_adt, d_skip [Bt, Tp, H] float32.
     """
     grid = layout.ChunkGrid(geo)
@@ -105,12 +107,13 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
                 r = jnp.sum(m, axis=1) - jnp.sum(m, axis=0)
             v_ds = dot(v, d_state, mm)                                  # V·dS  [L, Np]
             to_end = decay.to_end * jnp.sum(v_ds * k.astype(F32), axis=1)
-            refs["dk"][...] = dot(attn * lam, q, mm, trans_a=True) + decay.to_end[:, None] * v_ds
+            refs["dk"][...] = (dot(attn * lam, q, mm, trans_a=True)
+                               + decay.to_end[:, None] * v_ds).astype(refs["dk"].dtype)
             state_dot = total(refs["state"][...].astype(F32) * d_state.astype(F32))
 
         if queries:
             dy_state = dot(dy, refs["state"][...], mm)                  # dY·S_c  [L, Np]
-            refs["dq"][...] = dot(attn * lam, k, mm) + decay.read[:, None] * dy_state
+            refs["dq"][...] = (dot(attn * lam, k, mm) + decay.read[:, None] * dy_state).astype(refs["dq"].dtype)
 
         if keys:
             # <dY_i, Q_i S_cᵀ> = <dY_i S_c, Q_i>: whichever of the two products this program has
@@ -124,7 +127,7 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
     bsz, Tp, H, Pp, Np = geo.batch, geo.padded_seqlen, geo.heads, geo.padded_headdim, geo.padded_state
     io = jnp.dtype(geo.io_dtype)
     seq = jax.ShapeDtypeStruct((bsz, Tp, H), F32)
-    per_head = jax.ShapeDtypeStruct((bsz, Tp, H, Np), F32)
+    per_head = jax.ShapeDtypeStruct((bsz, Tp, H, Np), geo.qk_gradient_dtype)
     outputs = {"values": [("dv", jax.ShapeDtypeStruct((bsz, Tp, H, Pp), io), grid.head_rows(Pp)),
                           ("d_skip", seq, grid.sequence())],
                "keys": [("dk", per_head, grid.head_rows(Np)), ("d_adt", seq, grid.sequence())],

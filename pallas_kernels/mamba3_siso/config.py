@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from pallas_kernels.common.sizes import is_power_of_2, largest_power_of_2_at_most, next_power_of_2, round_up
 
 STORED_STATE_DTYPES = ("float32", "bfloat16", "dot_operand")
+QK_GRADIENT_DTYPES = ("float32", "dot_operand", "bfloat16_dots")
 ANGLE_SUMS = ("scan", "matmul")
 
 
@@ -49,7 +50,13 @@ class Mamba3ScanConfig:
       num_warps_grad: Triton warps of the backward chunk-gradient kernel(s).
       gradient_kernels: launches the chunk gradients are split into: 1, 2 (dQ apart) or 3 (values dV,
         dZ, dskip / keys dK̃, dADT / queries dQ); see chunk_backward.py.
-      num_warps_qk: Triton warps of the two query/key kernels.
+      num_warps_qk: Triton warps of the forward per-head query/key kernel.
+      num_warps_qk_grad: Triton warps of the backward query/key gradient kernel.
+      qk_grad_blocks: the query/key gradient kernel cuts each chunk into this many blocks of rows
+        (a power of two; blocks of at least 8 rows, 16 with angle_sums "matmul"), one program per block: fewer
+        registers per program and more programs in flight. The in-chunk reverse sums of the angle
+        gradients are then formed per block, and the blocks after it in the chunk are added by XLA
+        (the same sums in another order of the float32 additions).
       qk_head_splits: the heads of a group are split over this many programs of the query/key kernels
         (the largest divisor of heads-per-group not above it is used): more programs in flight, and
         as many partial group sums of dQ, dK for XLA to add.
@@ -66,6 +73,14 @@ class Mamba3ScanConfig:
         a scan across the program's warps) or "matmul" (a [L, L] triangular 0/1 matrix times the
         [L, Sp] tile, exact float32 products: the same sums up to the order of the additions). The
         matmul form needs Sp >= min_width (tl.dot's smallest dimension); narrower angle pieces use the scan.
+      qk_gradient_dtype: dtype of the per-head gradients dq, dk̃ ([Bt, Tp, H, Np]) that the chunk-gradient
+        launches write and the query/key gradient kernel reads: "float32"; "dot_operand" (bf16/f16
+        for 16-bit activations, as the official kernels store them; float32 otherwise); or
+        "bfloat16_dots" (the default: bf16 when the dots are bf16, float32 otherwise, since float16's
+        range could overflow on loss-scaled gradients). 16 bits halve the bytes of the two largest
+        backward intermediates, for one rounding of each per-head gradient before the rotation back
+        and the float32 sums over a group's heads and over positions (H200, session 17: op fwd+bwd
+        −0.03 to −0.08 ms, train step 88.1 → 86.4 ms).
       stored_scores: the forward chunk-output kernel also writes each chunk's masked scores
         (Q·K̃ᵀ) ⊙ Λ ([L, L] per chunk and head, in the dot operand dtype, the rounding the backward's
         dV dot applies to them anyway) and the values gradient launch reads them instead of forming
@@ -88,12 +103,15 @@ class Mamba3ScanConfig:
     num_warps_grad: int = 4
     gradient_kernels: int = 3
     num_warps_qk: int = 8
+    num_warps_qk_grad: int = 8
+    qk_grad_blocks: int = 1
     qk_head_splits: int = 4
     num_stages: int = 1
     min_width: int = 16
     min_chunk: int = 16
     max_chunk: int = 128
     stored_state_dtype: str = "dot_operand"
+    qk_gradient_dtype: str = "bfloat16_dots"
     angle_sums: str = "scan"
     stored_scores: bool = True
     stored_ungated: bool = True
@@ -101,7 +119,7 @@ class Mamba3ScanConfig:
 
     def validate(self) -> "Mamba3ScanConfig":
         for name in ("state_block_p", "num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad",
-                     "num_warps_qk", "min_width", "min_chunk", "max_chunk"):
+                     "num_warps_qk", "num_warps_qk_grad", "qk_grad_blocks", "min_width", "min_chunk", "max_chunk"):
             v = getattr(self, name)
             if not is_power_of_2(v):
                 raise ValueError(f"Mamba3ScanConfig.{name} must be a positive power of two, got {v!r}")
@@ -109,7 +127,8 @@ class Mamba3ScanConfig:
             if getattr(self, name) < 16:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be >= 16 (Triton's dots need every dimension >= 16), "
                                  f"got {getattr(self, name)!r}")
-        for name in ("num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad", "num_warps_qk"):
+        for name in ("num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad", "num_warps_qk",
+                     "num_warps_qk_grad"):
             if getattr(self, name) > 32:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be <= 32 (Triton's limit), got {getattr(self, name)!r}")
         if self.min_chunk > self.max_chunk:
@@ -125,6 +144,9 @@ class Mamba3ScanConfig:
         if self.stored_state_dtype not in STORED_STATE_DTYPES:
             raise ValueError(f"Mamba3ScanConfig.stored_state_dtype must be one of {STORED_STATE_DTYPES}, "
                              f"got {self.stored_state_dtype!r}")
+        if self.qk_gradient_dtype not in QK_GRADIENT_DTYPES:
+            raise ValueError(f"Mamba3ScanConfig.qk_gradient_dtype must be one of {QK_GRADIENT_DTYPES}, "
+                             f"got {self.qk_gradient_dtype!r}")
         if self.stored_for_keys is True and not self.stored_scores:
             raise ValueError("Mamba3ScanConfig.stored_for_keys=True needs stored_scores=True")
         for name in ("stored_scores", "stored_ungated", "stored_for_keys"):
@@ -143,7 +165,8 @@ class Mamba3ScanConfig:
 # states stored in the dot operand dtype, 8 warps for the query/key kernels (no spills), the masked
 # scores and the ungated Y kept for the values gradient launch (fwd+bwd 2.99 -> 2.69 ms at B=8 T=2048,
 # train step 94.8 -> 87.7 ms for +3.4 GiB; session 16), not for the keys launch (no gain: its float32
-# scores slow the values launch and the forward as much as they speed the keys launch).
+# scores slow the values launch and the forward as much as they speed the keys launch); dq, dk̃ between
+# the chunk-gradient launches and the query/key gradient kernel in bf16 when the dots are (session 17).
 DEFAULT_CONFIG = Mamba3ScanConfig()
 
 
@@ -205,6 +228,13 @@ class ScanGeometry:
         return max(d for d in range(1, min(self.config.qk_head_splits, hpg) + 1) if hpg % d == 0)
 
     @property
+    def qk_grad_rows(self) -> int:
+        """Rows per program of the query/key gradient kernel: chunk / qk_grad_blocks, at least 8 (at
+        least min_width with the angle sums by matmul: tl.dot's smallest dimension) and at most the chunk."""
+        least = self.config.min_width if self.angle_sums_by_matmul else 8
+        return min(self.chunk, max(self.chunk // self.config.qk_grad_blocks, least))
+
+    @property
     def angle_sums_by_matmul(self) -> bool:
         """config.angle_sums == "matmul" and the angle pieces wide enough for tl.dot."""
         return self.config.angle_sums == "matmul" and self.angle_width >= self.config.min_width
@@ -230,6 +260,14 @@ class ScanGeometry:
     @property
     def state_block_p(self) -> int:
         return min(self.config.state_block_p, self.padded_headdim)
+
+    @property
+    def qk_gradient_dtype(self):
+        """dtype of dq, dk̃ between the chunk-gradient launches and the query/key gradient kernel."""
+        choice, mm = self.config.qk_gradient_dtype, jnp.dtype(self.matmul_dtype)
+        if choice == "dot_operand" or (choice == "bfloat16_dots" and mm == jnp.bfloat16):
+            return mm
+        return jnp.dtype("float32")
 
     @property
     def stored_state_dtype(self):

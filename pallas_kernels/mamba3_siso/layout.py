@@ -22,7 +22,7 @@ prepends a grid axis) still fits Triton's three; the last-named axis varies fast
   chunk grid  program (b, c, h), h fastest: one chunk of one head per program;
   state grid  program (b, h, j): j = block of `state_block_p` headdim rows; each walks all chunks
               (the combine of state_passes.py);
-  group grid  program (b, c, g, j): c = chunk, g = group, j = one of `qk_splits` slices of the
+  group grid  program (b, c, g, j): c = chunk (or block of a chunk's rows), g = group, j = one of `qk_splits` slices of the
               group's heads; each walks the heads of its slice (the query/key kernels). Per-head
               arrays are viewed as [Bt, Tp, G, splits, heads per slice, ...] (a free reshape); that
               last axis of a block need not be a power of two, since a program only ever loads one
@@ -117,14 +117,20 @@ class StateGrid:
 
 @dataclasses.dataclass(frozen=True)
 class GroupGrid:
-    """Programs (b, c, g, j) over batch rows, chunks, groups and slices of the group's heads; each walks
-    the heads of its slice."""
+    """Programs (b, c, g, j) over batch rows, blocks of positions, groups and slices of the group's
+    heads; each walks the heads of its slice. A block is one chunk (rows = 0, the forward) or `rows`
+    positions of one (a divisor of the chunk: the query/key gradient kernel's qk_grad_blocks)."""
 
     geo: ScanGeometry
+    rows: int = 0
+
+    @property
+    def block_rows(self):
+        return self.rows or self.geo.chunk
 
     @property
     def blocks(self):
-        return self.geo.n_chunks
+        return self.geo.padded_seqlen // self.block_rows
 
     @property
     def splits(self):
@@ -143,37 +149,37 @@ class GroupGrid:
         return self.flat.size
 
     def index(self, p):
-        """(batch row, chunk, group, slice) of program p."""
+        """(batch row, block, group, slice) of program p."""
         return self.flat.coordinates(p)
 
     def per_head(self, x):
-        """[Bt, Tp (or nc), H, ...] -> [Bt, Tp, G, splits, heads per slice, ...] (free reshape)."""
+        """[Bt, Tp (or blocks), H, ...] -> [Bt, Tp, G, splits, heads per slice, ...] (free reshape)."""
         return x.reshape(x.shape[:2] + (self.geo.groups, self.splits, self.heads_per_slice) + x.shape[3:])
 
     # ---- block specs
     def group_rows(self):
-        """[Bt, Tp, G, Np] (Q, K): the chunk's [L, Np] block (shared by the slices)."""
-        return pl.BlockSpec((None, self.geo.chunk, None, self.geo.padded_state), lambda p: self.index(p)[:3] + (0,))
+        """[Bt, Tp, G, Np] (Q, K): the block's [rows, Np] (shared by the slices)."""
+        return pl.BlockSpec((None, self.block_rows, None, self.geo.padded_state), lambda p: self.index(p)[:3] + (0,))
 
     def slice_rows(self, width=None):
         """[Bt, Tp, G, splits, width] (partial group sums of dQ, dK; width Np by default, and of the
-        shared angle rates' gradient): the program's [L, width] block."""
+        shared angle rates' gradient): the program's [rows, width] block."""
         width = self.geo.padded_state if width is None else width
-        return pl.BlockSpec((None, self.geo.chunk, None, None, width), lambda p: self.index(p) + (0,))
+        return pl.BlockSpec((None, self.block_rows, None, None, width), lambda p: self.index(p) + (0,))
 
     def shared_rows(self, width):
-        """[Bt, Tp, width] (per-position values shared by every head: the angle rates): the chunk's
-        [L, width] block."""
-        return pl.BlockSpec((None, self.geo.chunk, width), lambda p: self.index(p)[:2] + (0,))
+        """[Bt, Tp, width] (per-position values shared by every head: the angle rates): the block's
+        [rows, width]."""
+        return pl.BlockSpec((None, self.block_rows, width), lambda p: self.index(p)[:2] + (0,))
 
     def head_rows(self, width):
-        """per_head([Bt, Tp, H, width]): a [L, heads per slice, width] block."""
-        return pl.BlockSpec((None, self.geo.chunk, None, None, self.heads_per_slice, width),
+        """per_head([Bt, Tp, H, width]): a [rows, heads per slice, width] block."""
+        return pl.BlockSpec((None, self.block_rows, None, None, self.heads_per_slice, width),
                             lambda p: self.index(p) + (0, 0))
 
     def head_scalars(self):
-        """per_head([Bt, Tp, H]): a [L, heads per slice] block."""
-        return pl.BlockSpec((None, self.geo.chunk, None, None, self.heads_per_slice), lambda p: self.index(p) + (0,))
+        """per_head([Bt, Tp, H]): a [rows, heads per slice] block."""
+        return pl.BlockSpec((None, self.block_rows, None, None, self.heads_per_slice), lambda p: self.index(p) + (0,))
 
     def biases(self):
         """[G, splits, heads per slice, Np] (the biases): the slice's [heads per slice, Np] block."""
@@ -181,7 +187,7 @@ class GroupGrid:
                             lambda p: self.index(p)[2:] + (0, 0))
 
     def per_chunk(self, width):
-        """per_head([Bt, nc, H, width]) (per-chunk values: entering angles, partial bias sums): the
+        """per_head([Bt, blocks, H, width]) (per-block values: entering angles, partial bias sums): the
         program's [heads per slice, width] block."""
         return pl.BlockSpec((None, None, None, None, self.heads_per_slice, width), lambda p: self.index(p) + (0, 0))
 

@@ -21,8 +21,13 @@ positions, group, slice of the group's heads) (layout.GroupGrid) reads each per-
 walks the heads of its slice with a loop and keeps the slice's sums in registers; the rotation is elementwise between the even and
 odd pieces of the kernel layout, loaded as column blocks of the refs.
 
-Outputs per program: the slice's share of the dQ, dK rows, ds and dθ per head, and the chunk's share
-of the bias gradients (the shares are summed by XLA in a fixed order: deterministic, no atomics). Numerics: float32 throughout.
+A block is a chunk, or with Mamba3ScanConfig.qk_grad_blocks > 1 a power-of-two share of its rows
+(fewer registers per program, more programs): the reverse sum of dθ then runs within the block, and
+XLA adds the totals of the chunk's later blocks to d DT and d rate afterwards (`_add_later_blocks`).
+
+Outputs per program: the slice's share of the dQ, dK rows, ds and dθ per head, and the block's share
+of the bias gradients and of dθ_entry (the shares are summed by XLA in a fixed order: deterministic,
+no atomics). Numerics: float32 throughout.
 The pure-JAX reference is the VJP of queries_keys.head_queries_keys ∘ queries_keys.position_angles.
 """
 
@@ -45,13 +50,13 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt
       rate: [Bt, Tp, 1 or H, Sp], dt: [Bt, Tp, H] and theta: [Bt, Tp, H, Sp] float32 (the increments'
         factors, as for queries_keys.head_queries_keys_kernel, and the wrapped angle at every position,
         the forward kernel's or queries_keys.position_angles), or all None (no angles);
-      dq, dk: [Bt, Tp, H, Np] float32 gradients of q, k̃.
+      dq, dk: [Bt, Tp, H, Np] gradients of q, k̃ (float32, or the dot operand dtype: read as float32).
 
     Returns:
       (dQ, dK [Bt, Tp, G, Np] float32, dQ_bias, dK_bias [H, Np] float32, d_scale [Bt, Tp, H] float32,
        d_rate (rate's shape), d_dt [Bt, Tp, H] and d_theta_entry [Bt, nc, H, Sp] float32, or all three None).
     """
-    grid = layout.GroupGrid(geo)
+    grid = layout.GroupGrid(geo, rows=geo.qk_grad_rows)
     pieces = geo.pieces
     rotated = theta is not None
     shared_rate = rotated and rate.shape[2] == 1
@@ -93,7 +98,9 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt
             refs["d_scale"][:, j] = d_scale
             if rotated:
                 d_angle = angle_gradient(dq_h, x, rotation) + s[:, None] * angle_gradient(dk_h, y, rotation)
-                d_inc = reverse_cumsum(d_angle, axis=0, by_matmul=geo.angle_sums_by_matmul)   # [L, Sp]
+                block_total = jnp.sum(d_angle, axis=0)                                          # [Sp]
+                d_inc = (reverse_cumsum(d_angle, axis=0, by_matmul=True) if geo.angle_sums_by_matmul
+                         else block_total[None, :] - jnp.cumsum(d_angle, axis=0) + d_angle)    # [rows, Sp]
                 dt_j = refs["dt"][:, j]
                 rate_j = shared if shared_rate else refs["rate"][:, j, :]
                 refs["d_dt"][:, j] = jnp.sum(d_inc * rate_j, axis=1)
@@ -101,11 +108,11 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt
                     d_rate_sum = d_rate_sum + d_inc * dt_j[:, None]
                 else:
                     refs["d_rate"][:, j, :] = d_inc * dt_j[:, None]
-                refs["d_theta_entry"][j, :] = jnp.sum(d_angle, axis=0)
+                refs["d_theta_entry"][j, :] = block_total
             return dq_sum, dk_sum, d_rate_sum
 
-        zeros = {n: jnp.zeros((geo.chunk, w), F32) for n, _, w in pieces}
-        rate_zeros = jnp.zeros((geo.chunk, geo.angle_width), F32) if shared_rate else None
+        zeros = {n: jnp.zeros((grid.block_rows, w), F32) for n, _, w in pieces}
+        rate_zeros = jnp.zeros((grid.block_rows, geo.angle_width), F32) if shared_rate else None
         dq_sum, dk_sum, d_rate_sum = jax.lax.fori_loop(0, grid.heads_per_slice, head_step,
                                                        (zeros, dict(zeros), rate_zeros))
         if shared_rate:
@@ -125,8 +132,8 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt
               ("theta", None if theta is None else grid.per_head(theta), grid.head_rows(Sp))]
     if rotated:
         inputs += [rate_operand(grid, rate), ("dt", grid.per_head(dt), grid.head_scalars())]
-    nc = geo.n_chunks
-    partials = jax.ShapeDtypeStruct((bsz, nc) + slices + (Np,), F32)
+    nc, nb = geo.n_chunks, grid.blocks // geo.n_chunks
+    partials = jax.ShapeDtypeStruct((bsz, grid.blocks) + slices + (Np,), F32)
     slice_sums = jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Np), F32)
     outputs = [("dQ", slice_sums, grid.slice_rows()), ("dK", slice_sums, grid.slice_rows()),
                ("dqb", partials, grid.per_chunk(Np)), ("dkb", partials, grid.per_chunk(Np)),
@@ -136,15 +143,37 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt
                   else (jax.ShapeDtypeStruct((bsz, Tp) + slices + (Sp,), F32), grid.head_rows(Sp)))
         outputs += [("d_rate",) + d_rate,
                     ("d_dt", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars()),
-                    ("d_theta_entry", jax.ShapeDtypeStruct((bsz, nc) + slices + (Sp,), F32), grid.per_chunk(Sp))]
+                    ("d_theta_entry", jax.ShapeDtypeStruct((bsz, grid.blocks) + slices + (Sp,), F32),
+                     grid.per_chunk(Sp))]
     out = layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients",
-                        geo.config.num_warps_qk)
+                        geo.config.num_warps_qk_grad)
     d_rate = d_dt = d_entry = None
     if rotated:
         d_rate = (out["d_rate"].sum(axis=(2, 3))[:, :, None] if shared_rate
                   else out["d_rate"].reshape(bsz, Tp, H, Sp))
         d_dt = out["d_dt"].reshape(bsz, Tp, H)
-        d_entry = out["d_theta_entry"].reshape(bsz, nc, H, Sp)
+        totals = out["d_theta_entry"].reshape(bsz, nc, nb, H, Sp)          # Σ dθ over each block
+        if nb > 1:
+            d_rate, d_dt = _add_later_blocks(grid, totals, rate, dt, d_rate, d_dt)
+        d_entry = totals.sum(axis=2)
     return (out["dQ"].sum(axis=3), out["dK"].sum(axis=3),
             out["dqb"].sum(axis=(0, 1)).reshape(H, Np), out["dkb"].sum(axis=(0, 1)).reshape(H, Np),
             out["d_scale"].reshape(bsz, Tp, H), d_rate, d_dt, d_entry)
+
+
+def _add_later_blocks(grid: layout.GroupGrid, totals, rate, dt, d_rate, d_dt):
+    """With a chunk cut into blocks, the kernel's d inc at a position is the reverse sum within its
+    block only; the blocks after it in the chunk add their totals ("later", [Bt, blocks, H, Sp]) to
+    every position of it, hence to d DT = ⟨d inc, rate⟩ and d rate = Σ d inc·DT (all float32,
+    elementwise products and sums: no dot, so no TF32)."""
+    bsz, nc, nb, H, Sp = totals.shape
+    rows, Tp = grid.block_rows, nc * nb * grid.block_rows
+    later = (jnp.cumsum(totals[:, :, ::-1], axis=2)[:, :, ::-1] - totals).reshape(bsz, nc * nb, 1, H, Sp)
+    rate_b = rate.reshape(bsz, nc * nb, rows, rate.shape[2], Sp)
+    dt_b = dt.reshape(bsz, nc * nb, rows, H, 1)
+    d_dt = d_dt + jnp.sum(rate_b * later, axis=-1).reshape(bsz, Tp, H)
+    if rate.shape[2] == 1:
+        d_rate = d_rate + jnp.sum(later * dt_b, axis=3).reshape(bsz, Tp, 1, Sp)
+    else:
+        d_rate = d_rate + (later * dt_b).reshape(bsz, Tp, H, Sp)
+    return d_rate, d_dt
