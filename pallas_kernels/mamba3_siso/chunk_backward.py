@@ -40,6 +40,13 @@ from pallas_kernels.mamba3_siso.chunk_math import ChunkDecay, dot, reverse_cumsu
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 
 
+def forms_adt_with_values(geo: ScanGeometry, ops: dict) -> bool:
+    """config.adt_in_values and what it needs: three launches and both the scores and the ungated Y
+    stored (Y is stored only with Z), so the values launch can form dADT without Q or a Q·S_cᵀ dot."""
+    return bool(geo.config.adt_in_values and geo.config.gradient_kernels == 3 and "scores" in ops
+                and "ungated" in ops)
+
+
 def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> dict:
     """The chunk gradients (after the adjoint pass).
 
@@ -56,13 +63,18 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
     grid = layout.ChunkGrid(geo)
     mm = geo.matmul_dtype
 
+    adt_in_values = forms_adt_with_values(geo, ops)
+
     def body(refs, *, values: bool, keys: bool, queries: bool):
-        """The gradients of the chosen groups: values (dV, dZ, dskip), keys (dK̃, dADT), queries (dQ)."""
+        """The gradients of the chosen groups: values (dV, dZ, dskip), keys (dK̃, dADT), queries (dQ);
+        dADT with the values instead when `adt_in_values`."""
+        adt_values = values and adt_in_values           # this launch forms dADT from the stored products
+        adt_keys = keys and not adt_in_values
         decay = ChunkDecay(refs["adt"][...])
         # the forward's products, when the launch was given them (config.stored_scores / stored_ungated /
         # stored_for_keys; the launches are then one group each)
         stored_scores, stored_y = "scores" in refs, "ungated" in refs
-        formed_scores = (keys or values) and not stored_scores
+        formed_scores = (values or adt_keys) and not stored_scores
         lam = decay.strictly_lower() if (formed_scores or keys or queries) else None
         k, v = refs["k"][...], refs["v"][...]
         d_out = refs["d_out"][...].astype(F32)
@@ -72,9 +84,9 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
             dy = d_out * (z * sz)                                       # dY = dO ⊙ silu(Z)
         else:
             dy = d_out
-        if keys or queries:
+        if keys or queries or adt_values:
             attn = dot(dy, v, mm, trans_b=True)                         # A_ij = <dY_i, v_j>
-        q_state_needed = (values and geo.has_z and not stored_y) or (keys and not queries and not stored_y)
+        q_state_needed = (values and geo.has_z and not stored_y) or (adt_keys and not queries and not stored_y)
         if formed_scores or q_state_needed or keys:
             q = refs["q"][...]
         if formed_scores:
@@ -91,12 +103,21 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
                 y = (refs["ungated"][...] if stored_y
                      else dot(scores, v, mm) + decay.read[:, None] * q_state + skip[:, None] * v.astype(F32))
                 refs["dz"][...] = (d_out * y * sz * (1.0 + z * (1.0 - sz))).astype(refs["dz"].dtype)
-            refs["d_skip"][...] = jnp.sum(dy * v.astype(F32), axis=1)
-            dv = (dot(scores, dy, mm, trans_a=True) + skip[:, None] * dy
-                  + decay.to_end[:, None] * dot(k, d_state, mm, trans_b=True))
+            d_skip = jnp.sum(dy * v.astype(F32), axis=1)
+            refs["d_skip"][...] = d_skip
+            k_ds = dot(k, d_state, mm, trans_b=True)                    # K̃·dSᵀ  [L, Pp]
+            dv = dot(scores, dy, mm, trans_a=True) + skip[:, None] * dy + decay.to_end[:, None] * k_ds
             refs["dv"][...] = dv.astype(refs["dv"].dtype)
+            if adt_values:
+                # step 2 from the stored products: M = scores ⊙ A with the stored (dot operand dtype)
+                # scores; <v_i, dS k̃_i> = Σ_p v_ip (K̃·dSᵀ)_ip, so no V·dS dot
+                m = scores.astype(F32) * attn
+                r = jnp.sum(dy * refs["ungated"][...], axis=1) - skip * d_skip - jnp.sum(m, axis=0)
+                to_end = decay.to_end * jnp.sum(v.astype(F32) * k_ds, axis=1)
+                state_dot = total(refs["state"][...].astype(F32) * d_state.astype(F32))
+                refs["d_adt"][...] = reverse_cumsum(r - to_end) + (decay.chunk * state_dot + jnp.sum(to_end))
 
-        if keys:                                                        # step 2: M = scores ⊙ A
+        if adt_keys:                                                    # step 2: M = scores ⊙ A
             m = scores.astype(F32) * attn
             if stored_y:
                 # with y = (P·V) + e^{cs}(Q S_cᵀ) + skip·V: e^{cs_i}<dY_i, (Q S_cᵀ)_i> = <dY_i, y_i> − Σ_j m_ij
@@ -105,17 +126,19 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
                      - jnp.sum(m, axis=0))
             else:
                 r = jnp.sum(m, axis=1) - jnp.sum(m, axis=0)
+        if keys:
             v_ds = dot(v, d_state, mm)                                  # V·dS  [L, Np]
-            to_end = decay.to_end * jnp.sum(v_ds * k.astype(F32), axis=1)
             refs["dk"][...] = (dot(attn * lam, q, mm, trans_a=True)
                                + decay.to_end[:, None] * v_ds).astype(refs["dk"].dtype)
+        if adt_keys:
+            to_end = decay.to_end * jnp.sum(v_ds * k.astype(F32), axis=1)
             state_dot = total(refs["state"][...].astype(F32) * d_state.astype(F32))
 
         if queries:
             dy_state = dot(dy, refs["state"][...], mm)                  # dY·S_c  [L, Np]
             refs["dq"][...] = (dot(attn * lam, k, mm) + decay.read[:, None] * dy_state).astype(refs["dq"].dtype)
 
-        if keys:
+        if adt_keys:
             # <dY_i, Q_i S_cᵀ> = <dY_i S_c, Q_i>: whichever of the two products this program has
             if not stored_y:
                 diag = (jnp.sum(dy_state * q.astype(F32), axis=1) if queries
@@ -142,6 +165,11 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
     keys_reads = {"q", "k", "v", "z", "d_out", "adt", "state", "d_state"}
     if geo.config.stored_for_keys:
         keys_reads |= kept | ({"skip"} if "ungated" in kept else set())
+    if adt_in_values:
+        outputs["values"] += [o for o in outputs["keys"] if o[0] == "d_adt"]
+        outputs["keys"] = [o for o in outputs["keys"] if o[0] != "d_adt"]
+        values_reads |= {"state"}
+        keys_reads -= {"state"}
     reads = {"values": values_reads,
              "keys": keys_reads,
              "queries": {"k", "v", "z", "d_out", "adt", "state"}}
