@@ -81,8 +81,8 @@ QK_SWEEP = [DEFAULT_CONFIG] + [dataclasses.replace(DEFAULT_CONFIG, **kw) for kw 
     dict(num_warps_qk=4), dict(num_warps_qk=16), dict(qk_gradient_dtype="float32"),
     dict(qk_grad_blocks=2, num_warps_qk_grad=4), dict(qk_gradient_dtype="float32", qk_grad_blocks=4))]
 QK16 = [DEFAULT_CONFIG] + QK_SWEEP[-3:]
-ADT = [DEFAULT_CONFIG, dataclasses.replace(DEFAULT_CONFIG, adt_in_values=True),
-       dataclasses.replace(DEFAULT_CONFIG, adt_in_values=True, stored_for_keys=True)]
+ADT = [DEFAULT_CONFIG, dataclasses.replace(DEFAULT_CONFIG, adt_in_values=False),
+       dataclasses.replace(DEFAULT_CONFIG, stored_for_keys=True)]
 SWEEP_SETS = {"all": SWEEP, "stored": [DEFAULT_CONFIG] + SWEEP[-4:], "qk": QK_SWEEP, "qk16": QK16, "adt": ADT}
 
 

@@ -22,7 +22,7 @@
 #                                                  op sweep at b8t2048 and b32t512, train step with profile;
 #                                                  e2e3_keys: the train step with stored_for_keys too)
 #                                                  m3_qk (the query/key kernels' knobs: op sweep at both shapes)
-#                                                  m3_adt e2e3_adt (dADT in the values launch: op sweep, train step)
+#                                                  m3_adt e2e3_adt (dADT in the values launch, the default, vs keys: op sweep, train step)
 #                                                  m3_qk16 m3_prof16 e2e3_qk16 (dq, dk̃ in bf16, the default, vs float32:
 #                                                  op sweep, per-kernel profiles of the op, train step with profile)
 # anchors_* / side_*: the official kernels and PyTorch model (the anchors folder copied to .anchors, carried):
@@ -100,7 +100,7 @@ for s in $stages; do case $s in
   e2e3_qk16)   run e2e_mamba3_dqk_f32 170 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config qk_gradient_dtype=float32 --profile 3 ;;
   m3_adt)      run m3_bench_adt 200 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b8t2048 --sweep --sweep-set adt ;
                run m3_bench_adt_b32 200 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b32t512 --sweep --sweep-set adt ;;
-  e2e3_adt)    run e2e_mamba3_adt_in_values 170 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config adt_in_values=True --profile 3 ;;
+  e2e3_adt)    run e2e_mamba3_adt_in_keys 170 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config adt_in_values=False --profile 3 ;;
   e2e3_stored) run e2e_mamba3_stored 170 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config stored_scores=True,stored_ungated=True --profile 3 ;;
   e2e3_keys)   run e2e_mamba3_stored_for_keys 170 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config stored_scores=True,stored_ungated=True,stored_for_keys=True --profile 3 ;;
   side_ops)    wait_anchors && run side_by_side_ops 240 python3 .anchors/side_by_side.py /tmp/ab ops --project . ;;

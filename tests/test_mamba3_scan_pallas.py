@@ -180,21 +180,23 @@ def test_stored_scores_and_ungated_output_match_reference(with_z, scores, ungate
     check_against_reference(arrays, states, 16, tol, config)
 
 
-@pytest.mark.parametrize("with_z,keys,dtype,tol", [(True, False, jnp.float32, 2e-5), (True, False, jnp.bfloat16, 2e-2),
-                                                   (True, True, jnp.float32, 2e-5), (False, False, jnp.float32, 2e-5)],
-                         ids=["z-f32", "z-bf16", "f32-scores-z-f32", "no-z-f32"])
-def test_adt_in_the_values_launch_matches_reference(with_z, keys, dtype, tol):
-    """config.adt_in_values: dADT formed by the values launch from the stored scores and Y (the keys
-    launch only dK̃); with stored_for_keys from float32 scores; without Z (no Y stored) the keys launch
-    keeps it. Every value and cotangent, dADT included."""
+@pytest.mark.parametrize("with_z,keys,adt,dtype,tol", [
+    (True, False, False, jnp.float32, 2e-5), (True, False, False, jnp.bfloat16, 2e-2),
+    (True, True, True, jnp.float32, 2e-5), (False, False, True, jnp.float32, 2e-5)],
+    ids=["keys-launch-z-f32", "keys-launch-z-bf16", "f32-scores-z-f32", "no-z-f32"])
+def test_adt_in_the_values_or_keys_launch_matches_reference(with_z, keys, adt, dtype, tol):
+    """config.adt_in_values (the default, in every other test with Z: dADT formed by the values launch
+    from the stored scores and Y, the keys launch only dK̃) off, i.e. dADT in the keys launch; on with
+    stored_for_keys (float32 scores); on without Z (no Y stored: the keys launch keeps it). Every value
+    and cotangent, dADT included."""
     from pallas_kernels.mamba3_siso.chunk_backward import forms_adt_with_values
     arrays, states = make_inputs((2, 37, 4, 2, 8, 3, 2), dtype, with_z=with_z, seed=17)
-    config = Mamba3ScanConfig(adt_in_values=True, stored_for_keys=keys)
+    config = Mamba3ScanConfig(adt_in_values=adt, stored_for_keys=keys)
     check_against_reference(arrays, states, 16, tol, config)
     geo = make_geometry(batch=2, seqlen=37, heads=4, groups=2, headdim=3, d_state=8, num_angles=2, chunk_size=16,
                         has_z=with_z, matmul_dtype=dtype, io_dtype=dtype, config=config)
     stored = {"scores": 0} | ({"ungated": 0} if with_z else {})
-    assert forms_adt_with_values(geo, stored) == with_z
+    assert forms_adt_with_values(geo, stored) == (with_z and adt)
 
 
 def test_stored_products_are_kept_only_for_a_backward():
@@ -384,8 +386,9 @@ def test_query_key_gradient_blocks_lower_for_h200():
     assert text.count("__gpu$xla.gpu.triton") == 10
 
 
-def test_adt_in_values_lowers_for_h200():
-    config = Mamba3ScanConfig(adt_in_values=True)
+def test_adt_in_the_keys_launch_lowers_for_h200():
+    """adt_in_values=False (the default, dADT with the values, is lowered by the tests above)."""
+    config = Mamba3ScanConfig(adt_in_values=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
     assert text.count("__gpu$xla.gpu.triton") == 10
 
@@ -589,11 +592,12 @@ def test_gpu_float32_query_key_gradients_match_reference():
 
 
 @pytest.mark.gpu
-def test_gpu_adt_in_the_values_launch_matches_reference():
-    """adt_in_values at the benchmark shape, shared angles as in the model."""
+def test_gpu_adt_in_the_keys_launch_matches_reference():
+    """adt_in_values=False (dADT in the keys launch, the previous default) at the benchmark shape, shared
+    angles as in the model."""
     arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=18)
     check_against_reference(dict(arrays, Angles=arrays["Angles"][:, :, :1]), states, 64, 2.5e-2,
-                            Mamba3ScanConfig(adt_in_values=True))
+                            Mamba3ScanConfig(adt_in_values=False))
 
 
 @pytest.mark.gpu
