@@ -82,7 +82,9 @@ QK_SWEEP = [DEFAULT_CONFIG] + [dataclasses.replace(DEFAULT_CONFIG, **kw) for kw 
     dict(qk_grad_blocks=2, num_warps_qk_grad=4), dict(qk_gradient_dtype="float32", qk_grad_blocks=4))]
 QK16 = [DEFAULT_CONFIG] + QK_SWEEP[-3:]
 ADT = [DEFAULT_CONFIG, dataclasses.replace(DEFAULT_CONFIG, adt_in_values=False),
-       dataclasses.replace(DEFAULT_CONFIG, stored_for_keys=True)]
+       dataclasses.replace(DEFAULT_CONFIG, stored_for_keys=True),
+       dataclasses.replace(DEFAULT_CONFIG, keys_with_queries=True),
+       dataclasses.replace(DEFAULT_CONFIG, keys_with_queries=True, num_warps_grad=8)]
 SWEEP_SETS = {"all": SWEEP, "stored": [DEFAULT_CONFIG] + SWEEP[-4:], "qk": QK_SWEEP, "qk16": QK16, "adt": ADT}
 
 
@@ -295,7 +297,7 @@ def _short(cfg):
             f"qk-splits{cfg.qk_head_splits} qk-grad-blocks{cfg.qk_grad_blocks} dqk-{cfg.qk_gradient_dtype} "
             f"angle-sums-{cfg.angle_sums}" + (" stored-scores" if cfg.stored_scores else "")
             + (" stored-ungated" if cfg.stored_ungated else "") + (" stored-for-keys" if cfg.stored_for_keys else "")
-            + (" adt-in-values" if cfg.adt_in_values else ""))
+            + (" adt-in-values" if cfg.adt_in_values else "") + (" keys-with-queries" if cfg.keys_with_queries else ""))
 
 
 def main(argv=None):
@@ -310,7 +312,7 @@ def main(argv=None):
     p.add_argument("--sweep", action="store_true", help="after the table, time the SWEEP Pallas configs at the first shape")
     p.add_argument("--sweep-set", default="all", choices=sorted(SWEEP_SETS),
                    help="which candidates --sweep times: all, stored (the default and the stored-products variants) "
-                        "qk (the query/key kernels' knobs), qk16 (dq, dk̃ in bf16 or float32) or adt (dADT in the values launch)")
+                        "qk (the query/key kernels' knobs), qk16 (dq, dk̃ in bf16 or float32) or adt (where dADT and dQ are formed)")
     p.add_argument("--breakdown", action="store_true", help="time each Pallas launch at the first shape")
     p.add_argument("--workers", type=int, default=16, help="parallel compile threads")
     p.add_argument("--json", default=None, help="write all numbers here")

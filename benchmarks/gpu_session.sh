@@ -22,7 +22,7 @@
 #                                                  op sweep at b8t2048 and b32t512, train step with profile;
 #                                                  e2e3_keys: the train step with stored_for_keys too)
 #                                                  m3_qk (the query/key kernels' knobs: op sweep at both shapes)
-#                                                  m3_adt e2e3_adt (dADT in the values launch, the default, vs keys: op sweep, train step)
+#                                                  m3_adt e2e3_adt (dADT in the values vs keys launch, keys+queries in one launch: op sweep, train step)
 #                                                  m3_qk16 m3_prof16 e2e3_qk16 (dq, dk̃ in bf16, the default, vs float32:
 #                                                  op sweep, per-kernel profiles of the op, train step with profile)
 # anchors_* / side_*: the official kernels and PyTorch model (the anchors folder copied to .anchors, carried):

@@ -199,6 +199,15 @@ def test_adt_in_the_values_or_keys_launch_matches_reference(with_z, keys, adt, d
     assert forms_adt_with_values(geo, stored) == (with_z and adt)
 
 
+@pytest.mark.parametrize("with_z,dtype,tol", [(True, jnp.float32, 2e-5), (False, jnp.bfloat16, 2e-2)],
+                         ids=["z-f32", "no-z-bf16"])
+def test_keys_and_queries_in_one_launch_match_reference(with_z, dtype, tol):
+    """config.keys_with_queries: dK̃ and dQ from one launch (dADT with the values when Z, with the keys
+    without): every value and cotangent."""
+    arrays, states = make_inputs((2, 37, 4, 2, 8, 3, 2), dtype, with_z=with_z, seed=19)
+    check_against_reference(arrays, states, 16, tol, Mamba3ScanConfig(keys_with_queries=True))
+
+
 def test_stored_products_are_kept_only_for_a_backward():
     """The chunk-output kernel writes the scores and ungated output only when asked for the backward
     (core._core_fwd asks, the plain forward does not), in the dot operand dtype and float32, one [L]
@@ -386,6 +395,11 @@ def test_query_key_gradient_blocks_lower_for_h200():
     assert text.count("__gpu$xla.gpu.triton") == 10
 
 
+def test_keys_with_queries_lowers_for_h200():
+    text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=Mamba3ScanConfig(keys_with_queries=True))
+    assert text.count("__gpu$xla.gpu.triton") == 9
+
+
 def test_adt_in_the_keys_launch_lowers_for_h200():
     """adt_in_values=False (the default, dADT with the values, is lowered by the tests above)."""
     config = Mamba3ScanConfig(adt_in_values=False)
@@ -481,7 +495,8 @@ def test_kernel_refuses_a_reset_mask_and_a_bad_config():
                                          ("num_stages", 0), ("max_chunk", 96), ("stored_state_dtype", "float16"),
                                          ("stored_scores", 1), ("stored_ungated", "yes"),
                                          ("stored_for_keys", 1), ("num_warps_qk_grad", 64), ("qk_grad_blocks", 3),
-                                         ("qk_gradient_dtype", "bfloat16"), ("adt_in_values", 1)])
+                                         ("qk_gradient_dtype", "bfloat16"), ("adt_in_values", 1),
+                                         ("keys_with_queries", 1)])
 def test_bad_config_raises_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         Mamba3ScanConfig(**{field: value}).validate()
@@ -598,6 +613,14 @@ def test_gpu_adt_in_the_keys_launch_matches_reference():
     arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=18)
     check_against_reference(dict(arrays, Angles=arrays["Angles"][:, :, :1]), states, 64, 2.5e-2,
                             Mamba3ScanConfig(adt_in_values=False))
+
+
+@pytest.mark.gpu
+def test_gpu_keys_and_queries_in_one_launch_match_reference():
+    """keys_with_queries (a sweep candidate) at the benchmark shape, shared angles as in the model."""
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=20)
+    check_against_reference(dict(arrays, Angles=arrays["Angles"][:, :, :1]), states, 64, 2.5e-2,
+                            Mamba3ScanConfig(keys_with_queries=True))
 
 
 @pytest.mark.gpu

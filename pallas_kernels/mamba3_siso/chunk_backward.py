@@ -15,7 +15,7 @@ query/key gradient kernel, qk_gradients.py), with A_ij = ⟨dY_i, v_j⟩, Λ the
 
 Tensor-core dots over the whole d_state: 8 (10 with Z) in one launch, 11 (13) over three; split by
 `config.gradient_kernels` into two (dQ apart) or three (values dV, dZ, dskip / keys dK̃, dADT /
-queries dQ): each launch recomputes the few products it shares with the others (A = dY·Vᵀ, the
+queries dQ; `keys_with_queries` puts the last two back in one launch): each launch recomputes the few products it shares with the others (A = dY·Vᵀ, the
 scores), in exchange for fewer live tiles per program (the one-launch kernel spills).
 
 Numerics: float32 everywhere except dot operands (`matmul_dtype`, as in the forward); dV, dZ are
@@ -175,6 +175,8 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
              "queries": {"k", "v", "z", "d_out", "adt", "state"}}
     launches = {1: [("values", "keys", "queries")], 2: [("values", "keys"), ("queries",)],
                 3: [("values",), ("keys",), ("queries",)]}[geo.config.gradient_kernels]
+    if geo.config.keys_with_queries:
+        launches = [("values",), ("keys", "queries")]
     arrays = dict(ops, state=entering, d_state=leaving_adjoint)
     specs = {"state": grid.chunk_state(), "d_state": grid.chunk_state()}
     grads = {}

@@ -100,6 +100,9 @@ class Mamba3ScanConfig:
         reductions): M = scores ⊙ A then uses the stored scores, rounded to the dot operand dtype
         unless stored_for_keys keeps them in float32. Otherwise dADT stays in the keys launch. H200,
         session 17: op fwd+bwd −0.15 to −0.18 ms, train step 88.0 → 84.2 ms.
+      keys_with_queries: with gradient_kernels=3, the keys and queries gradients in one launch (the
+        values launch apart): A = dY·Vᵀ, the decay matrix and dY formed once for dK̃ and dQ, one launch
+        fewer, more live tiles per program (not yet timed on the GPU).
     """
 
     state_block_p: int = 16
@@ -123,6 +126,7 @@ class Mamba3ScanConfig:
     stored_ungated: bool = True
     stored_for_keys: bool = False
     adt_in_values: bool = True
+    keys_with_queries: bool = False
 
     def validate(self) -> "Mamba3ScanConfig":
         for name in ("state_block_p", "num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad",
@@ -156,8 +160,12 @@ class Mamba3ScanConfig:
                              f"got {self.qk_gradient_dtype!r}")
         if self.stored_for_keys is True and not self.stored_scores:
             raise ValueError("Mamba3ScanConfig.stored_for_keys=True needs stored_scores=True")
-        if type(self.adt_in_values) is not bool:
-            raise ValueError(f"Mamba3ScanConfig.adt_in_values must be True or False, got {self.adt_in_values!r}")
+        for name in ("adt_in_values", "keys_with_queries"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.keys_with_queries and self.gradient_kernels != 3:
+            raise ValueError(f"Mamba3ScanConfig.keys_with_queries=True needs gradient_kernels=3, "
+                             f"got gradient_kernels={self.gradient_kernels}")
         for name in ("stored_scores", "stored_ungated", "stored_for_keys"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")
