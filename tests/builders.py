@@ -3,7 +3,7 @@
 * random op inputs: `mamba1_scan_inputs` / `mamba3_scan_inputs` (the scans, their Pallas kernels and
   the decode steps all draw their arguments here) and `at_time` (one token of a window, for the steps);
 * tiny models and batches: `TINY_MAMBA1` / `TINY_MAMBA3`, `tiny_backbone`, `d_out_batch`,
-  `delayed_copy_batch`, `gradient_capture`;
+  `delayed_copy_batch`, `gradient_capture`, `gradient_recorder`;
 * `abstract_params`: a module's parameters as shapes only (no init compute).
 
 Random values are numpy draws: eager `jax.random` calls compile one program per shape, which is slow
@@ -190,6 +190,15 @@ def gradient_capture():
     import jax
     return optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p),
                                         lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), g))
+
+
+def gradient_recorder(opt):
+    """`opt` behind a stage whose state is the gradient it received (passed on unchanged), i.e.
+    `optax.chain(record, opt)`: one run of a train step gives both the exact gradients the step hands
+    its optimizer (`state.opt_state[0]`) and the parameters `opt` trains (one compile, not two)."""
+    import jax
+    record = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), lambda g, s, p=None: (g, g))
+    return optax.chain(record, opt)
 
 
 def abstract_params(make):

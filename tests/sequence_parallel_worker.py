@@ -23,8 +23,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jmamba  # noqa: E402
-from builders import (TINY_CHUNK, d_out_batch, gradient_capture, mamba1_implementation_args, max_rel,  # noqa: E402
-                      mamba1_scan_inputs, mamba3_scan_inputs, tiny_backbone)
+from builders import (TINY_CHUNK, d_out_batch, gradient_capture, gradient_recorder,  # noqa: E402
+                      mamba1_implementation_args, mamba1_scan_inputs, mamba3_scan_inputs, max_rel, tiny_backbone)
 from jmamba import ops  # noqa: E402
 from jmamba.io.checkpoint import restore_checkpoint, save_checkpoint  # noqa: E402
 from jmamba.parallel import make_mesh as _make_mesh  # noqa: E402
@@ -40,9 +40,10 @@ def make_mesh(**kw):
 
 
 def resets(bsz, T):
-    """Resets inside a shard, at a shard's first position and at the window's first position."""
+    """Resets inside a shard, at a shard's first position and at the window's first position (on either
+    mesh: T // 2 begins a time shard of both the 4-way and the 2-way split)."""
     r = np.zeros((bsz, T), bool)
-    r[1, T // 2 + 1] = r[2, T // 4] = r[3, 0] = True
+    r[1, T // 2 + 1] = r[2, T // 2] = r[3, 0] = True
     return jnp.asarray(r)
 
 
@@ -132,29 +133,35 @@ def case_mamba3(dtype, impl, per_head_angles, with_reset=True, meshes=tuple(MESH
 
 
 def run_steps(arch, mesh, precision="f32", steps=3, opt=None, T=16):
+    """(state after `steps` steps, the optimizer state after the first step); the optimizer is by
+    default AdamW behind a gradient recorder (`gradient_recorder`: one compiled step gives both the
+    first step's gradients, `[0]` of the second, and the trained parameters)."""
     model = tiny_backbone(arch)
-    opt = opt or optax.adamw(1e-2)
+    opt = opt or gradient_recorder(optax.adamw(1e-2))
     state = jmamba.TrainState.create(model, opt, 8, precision=precision)
     if mesh is not None:
         state = shard_state(state, mesh)
     step = jmamba.make_train_step(model, opt, precision=precision, clip_max_norm=1.0, mesh=mesh)
+    first = None
     for i in range(steps):   # windows chained through the recurrent state; resets in the second one
         b = d_out_batch(100 + i, 8, T)
         if i == 1:
             b["reset"] = jnp.asarray(np.eye(8, T, k=3, dtype=bool))
         state, _ = step(state, b)
-    return state
+        if i == 0:   # (copied now: the next step may donate these buffers)
+            first = jax.tree.map(np.asarray, state.opt_state)
+    return state, first
 
 
 def case_train(arch):
     """f32: one step's gradients (as the optimizer receives them), parameters after three AdamW steps
     and the recurrent state after three chained windows, on the data x seq mesh vs one device."""
     mesh = make_mesh(data=2, seq=2)
-    g1, g = (run_steps(arch, m, steps=1, opt=gradient_capture()) for m in (None, mesh))
-    s1, s = (run_steps(arch, m) for m in (None, mesh))
+    (s1, g1), (s, g) = (run_steps(arch, m) for m in (None, mesh))
     _TRAINED[arch] = s
+    _F32_GRADS[arch] = g1[0]
     rec = (lambda x: x) if arch == "mamba1" else (lambda x: [angle_free(r) for r in x])
-    return {"grads": max_rel(g.opt_state, g1.opt_state), "params": max_rel(s.params, s1.params),
+    return {"grads": max_rel(g[0], g1[0]), "params": max_rel(s.params, s1.params),
             "recurrent": max_rel(rec(s.recurrent_state), rec(s1.recurrent_state)),
             "recurrent_spec": str(jax.tree.leaves(s.recurrent_state)[0].sharding.spec)}
 
@@ -163,10 +170,9 @@ def case_train_bf16(arch):
     """bf16 compute: one step's gradients on one device and on the data x seq mesh, each against the
     one-device float32 step (the sharded step must be as close to it as the one-device step)."""
     mesh = make_mesh(data=2, seq=2)
-    g32 = run_steps(arch, None, "f32", steps=1, opt=gradient_capture())
-    g1, g = (run_steps(arch, m, "bf16", steps=1, opt=gradient_capture()) for m in (None, mesh))
-    return {"single_vs_f32": max_rel(g1.opt_state, g32.opt_state), "multi_vs_f32": max_rel(g.opt_state, g32.opt_state),
-            "multi_vs_single": max_rel(g.opt_state, g1.opt_state)}
+    g32 = _F32_GRADS[arch] if arch in _F32_GRADS else run_steps(arch, None, "f32", steps=1)[1][0]
+    (_, g1), (_, g) = (run_steps(arch, m, "bf16", steps=1, opt=gradient_capture()) for m in (None, mesh))
+    return {"single_vs_f32": max_rel(g1, g32), "multi_vs_f32": max_rel(g, g32), "multi_vs_single": max_rel(g, g1)}
 
 
 def case_split():
@@ -182,15 +188,17 @@ def case_split():
     return {"params": max_rel(out["multi"].params, out["single"].params)}
 
 
-_TRAINED = {}   # the data x seq states of case_train, reused by case_checkpoint
+_TRAINED = {}     # the data x seq states of case_train, reused by case_checkpoint
+_F32_GRADS = {}   # the one-device float32 first-step gradients of case_train, reused by case_train_bf16
 
 
 def case_checkpoint():
     mesh = make_mesh(data=2, seq=2)
-    state = _TRAINED.get("mamba1") or run_steps("mamba1", mesh)
+    state = _TRAINED.get("mamba1") or run_steps("mamba1", mesh)[0]
     d = tempfile.mkdtemp()
     save_checkpoint(d, state)
-    like = shard_state(jmamba.TrainState.create(tiny_backbone("mamba1"), optax.adamw(1e-2), 8), mesh)
+    opt = gradient_recorder(optax.adamw(1e-2))   # the optimizer of case_train's state
+    like = shard_state(jmamba.TrainState.create(tiny_backbone("mamba1"), opt, 8), mesh)
     restored = restore_checkpoint(d, like)
     return {"equal": all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state))),
             "same_sharding": all(a.sharding == b.sharding for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(like)))}
@@ -230,14 +238,16 @@ def case_short_conv():
                                  -jnp.exp(a(E, N)), None)
 
 
+# The XLA cases run on the data x seq mesh, the Pallas cases on the seq-only mesh (4 time shards): each
+# op is compared on both meshes, with the same resets.
 CASES = {
-    "selective_scan_f32": lambda: case_selective_scan(jnp.float32, "xla"),
+    "selective_scan_f32": lambda: case_selective_scan(jnp.float32, "xla", ("data2_seq2",)),
     "selective_scan_bf16": lambda: case_selective_scan(jnp.bfloat16, "xla", ("data2_seq2",)),
     "selective_scan_pallas": lambda: case_selective_scan(jnp.float32, "pallas", ("seq4",)),
-    "mixer_core_f32": lambda: case_mixer_core(jnp.float32, "xla"),
+    "mixer_core_f32": lambda: case_mixer_core(jnp.float32, "xla", ("data2_seq2",)),
     "mixer_core_bf16": lambda: case_mixer_core(jnp.bfloat16, "xla", ("data2_seq2",)),
     "mixer_core_pallas": lambda: case_mixer_core(jnp.float32, "pallas", ("seq4",)),
-    "mamba3_f32": lambda: case_mamba3(jnp.float32, "xla", True),
+    "mamba3_f32": lambda: case_mamba3(jnp.float32, "xla", True, meshes=("data2_seq2",)),
     "mamba3_bf16_shared_angles": lambda: case_mamba3(jnp.bfloat16, "xla", False, meshes=("data2_seq2",)),
     "mamba3_pallas": lambda: case_mamba3(jnp.float32, "pallas", False, with_reset=False, meshes=("seq4",)),
     "train_mamba1": lambda: case_train("mamba1"),
