@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jmamba  # noqa: E402
-from builders import TINY_CHUNK, d_out_batch, gradient_capture, max_rel, tiny_backbone  # noqa: E402
+from builders import TINY_CHUNK, d_out_batch, gradient_capture, gradient_recorder, max_rel, tiny_backbone  # noqa: E402
 from jmamba.io.checkpoint import restore_checkpoint, save_checkpoint  # noqa: E402
 from jmamba.ops import dispatch  # noqa: E402
 from jmamba.parallel import make_data_mesh, shard_state  # noqa: E402
@@ -64,16 +64,38 @@ def run_fused(arch, mesh, fsdp, precision="f32", steps=3, poison=(), opt=None):
     return state, decisions
 
 
+def run_recorded(arch, mesh, fsdp):
+    """(state after three AdamW steps, the gradients the first step handed the optimizer), one compiled
+    step: the first step's gradients are copied before the next step (which may donate them)."""
+    model = model_for(arch)
+    opt = gradient_recorder(optax.adamw(1e-2))
+    state = jmamba.TrainState.create(model, opt, 8)
+    if mesh is not None:
+        state = shard_state(state, mesh, fsdp=fsdp)
+    step = jmamba.make_train_step(model, opt, clip_max_norm=1.0, mesh=mesh, fsdp=fsdp)
+    first = None
+    for i in range(3):
+        state, _ = step(state, batch(i))
+        if i == 0:
+            first = jax.tree.map(np.asarray, state.opt_state[0])
+    return state, first
+
+
 def case_fused(arch, fsdp):
+    """One step's gradients (as the optimizer receives them), the parameters, optimizer state and
+    recurrent state after three AdamW steps, the shardings: the 4-device mesh vs one device (the
+    one-device run is shared by the FSDP and the replicated case)."""
     mesh = make_data_mesh()
-    g_single, _ = run_fused(arch, None, False, steps=1, opt=CAPTURE)
-    g_multi, _ = run_fused(arch, mesh, fsdp, steps=1, opt=CAPTURE)
-    single, _ = run_fused(arch, None, False)
-    multi, _ = run_fused(arch, mesh, fsdp)
+    if arch not in _SINGLE:
+        _SINGLE[arch] = run_recorded(arch, None, False)
+    single, g_single = _SINGLE[arch]
+    multi, g_multi = run_recorded(arch, mesh, fsdp)
+    _SHARDED[(arch, fsdp)] = multi
     sharded = {jax.tree_util.keystr(p): str(x.sharding.spec) for p, x in jax.tree_util.tree_leaves_with_path(multi)
                if hasattr(x, "sharding") and hasattr(x.sharding, "spec")}
-    return {"grads": max_rel(g_multi.opt_state, g_single.opt_state),
-            "params": max_rel(multi.params, single.params), "opt_state": max_rel(multi.opt_state, single.opt_state),
+    return {"grads": max_rel(g_multi, g_single),
+            "params": max_rel(multi.params, single.params),
+            "opt_state": max_rel(multi.opt_state[1], single.opt_state[1]),   # AdamW's (after the recorder's)
             "recurrent": max_rel(multi.recurrent_state, single.recurrent_state),
             "step_equal": int(multi.step) == int(single.step),
             "recurrent_spec": sharded[".recurrent_state[0].ssm"],
@@ -103,11 +125,14 @@ def case_split():
 
 
 def case_checkpoint():
+    """The FSDP state of case_fused (three AdamW steps on the mesh) saved and restored into a sharded
+    template: equal leaves, the template's shardings."""
     mesh = make_data_mesh()
-    state, _ = run_fused("mamba1", mesh, True)
+    state = _SHARDED.get(("mamba1", True)) or run_recorded("mamba1", mesh, True)[0]
     d = tempfile.mkdtemp()
     save_checkpoint(d, state)
-    like = shard_state(jmamba.TrainState.create(model_for("mamba1"), optax.adamw(1e-2), 8), mesh, fsdp=True)
+    opt = gradient_recorder(optax.adamw(1e-2))   # the optimizer of case_fused's state
+    like = shard_state(jmamba.TrainState.create(model_for("mamba1"), opt, 8), mesh, fsdp=True)
     restored = restore_checkpoint(d, like)
     same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)))
     same_sharding = all(a.sharding == b.sharding for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(like)))
@@ -126,7 +151,8 @@ def case_pallas(fsdp=False):
     return {"grads": max_rel(multi.opt_state, _SINGLE["pallas"].opt_state)}
 
 
-_SINGLE = {}
+_SINGLE = {}    # one-device runs shared by cases: {arch: run_recorded(...)}, {"pallas": state}
+_SHARDED = {}   # case_fused's mesh states, {(arch, fsdp): state}: case_checkpoint saves the FSDP one
 
 
 CASES = {
