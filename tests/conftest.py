@@ -18,9 +18,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 # last and leaves the other workers idle (xdist's own order is by the number of tests in a file,
 # which puts the few-test subprocess files, the slowest of all, at the end).
 SLOW_FILES_FIRST = (
-    "test_sequence_parallel.py",    # ~230 s: one subprocess with 4 simulated devices
+    "test_sequence_parallel.py",    # ~190 s: one subprocess with 4 simulated devices
     "test_mamba3_scan_pallas.py",   # ~200 s: the Pallas interpreter
-    "test_data_parallel.py",        # ~190 s: one subprocess with 4 simulated devices
+    "test_data_parallel.py",        # ~110 s: one subprocess with 4 simulated devices
     "test_training_system.py",      # ~120 s
     "test_checkpoint.py",           # ~85 s: subprocesses
     "test_lm_generate.py",          # ~55 s: the main job

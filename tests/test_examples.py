@@ -21,7 +21,9 @@ def test_custom_loss_example_learns_through_the_split_api():
 
 
 def test_selective_copying_accuracy_rises_well_above_chance():
-    acc = load("selective_copying").main(["--steps", "220"])
+    # a shorter task than the example's default (16 positions, 16 sequences a step): ~0.56-0.65 after
+    # 160 steps over seeds 0-3 (chance 0.125)
+    acc = load("selective_copying").main(["--steps", "160", "--batch-size", "16", "--length", "16"])
     assert acc > 3 * (1 / 8), acc
 
 

@@ -117,16 +117,21 @@ def _loss_and_grads(impl, args, state, reset):
     return value, dict(zip(present, g_vals)), g_state
 
 
+_REFERENCE = {}   # {case index: the reference's (loss, cotangents, state cotangents)}, shared by both impls
+
+
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
-@pytest.mark.parametrize("shape,dtype,options,tol", CASES, ids=["f32-resets", "bf16-rows-bare", "f16-no-state",
-                                                                 "k1-f32"])
-def test_values_and_every_cotangent_match_reference(impl, shape, dtype, options, tol):
+@pytest.mark.parametrize("case", range(len(CASES)), ids=["f32-resets", "bf16-rows-bare", "f16-no-state", "k1-f32"])
+def test_values_and_every_cotangent_match_reference(impl, case):
+    shape, dtype, options, tol = CASES[case]
     args, state, reset = make_inputs(*shape, dtype, **options)
     if state is None:   # gradients into zero states are still checked: pass explicit zeros
         bsz, _, e, n, _, k = shape
         state = Mamba1CoreState(conv=jnp.zeros((bsz, k - 1, e)), ssm=jnp.zeros((bsz, e, n)))
     got_v, got, got_s = _loss_and_grads(impl, args, state, reset)
-    want_v, want, want_s = _loss_and_grads("reference", args, state, reset)
+    if case not in _REFERENCE:   # the inputs are the same draws for both impls
+        _REFERENCE[case] = _loss_and_grads("reference", args, state, reset)
+    want_v, want, want_s = _REFERENCE[case]
     assert_close("loss", got_v, want_v, tol)
     for name in want:
         assert got[name].dtype == args[name].dtype, name
