@@ -15,8 +15,10 @@ query/key gradient kernel, qk_gradients.py), with A_ij = ⟨dY_i, v_j⟩, Λ the
 
 Tensor-core dots over the whole d_state: 8 (10 with Z) in one launch, 11 (13) over three; split by
 `config.gradient_kernels` into two (dQ apart) or three (values dV, dZ, dskip / keys dK̃, dADT /
-queries dQ; `keys_with_queries` puts the last two back in one launch): each launch recomputes the few products it shares with the others (A = dY·Vᵀ, the
-scores), in exchange for fewer live tiles per program (the one-launch kernel spills).
+queries dQ; `keys_with_queries` puts the last two back in one launch; with the scores and Y stored,
+`adt_in_values` moves dADT from the keys launch to the values launch): each launch recomputes the few
+products it shares with the others (A = dY·Vᵀ, the scores), in exchange for fewer live tiles per
+program (the one-launch kernel spills).
 
 Numerics: float32 everywhere except dot operands (`matmul_dtype`, as in the forward); dV, dZ are
 rounded once to their dtype; dQ, dK̃ are float32 (or rounded once to the dot operand dtype,
