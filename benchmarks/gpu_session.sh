@@ -68,7 +68,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu
 OPT=fused
 for s in $stages; do case $s in
   tests)       run gpu_tests 360 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ ;;
-  m3_tests)    run m3_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py ;;
+  m3_tests)    run m3_gpu_tests 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -rA --durations=15 ;;
   m3_profile)  run m3_profile 60 python3 benchmarks/profile_kernels.py mamba3 --iters 10 ;;
   m3_bench)    run m3_bench 300 python3 benchmarks/bench_mamba3_scan.py --ref-iters 3 --sweep --breakdown ;;
   adamw_tests) run adamw_tests 60 python3 -m pytest -q -p no:cacheprovider -x tests/test_fused_adamw.py || OPT=adamw ;;
