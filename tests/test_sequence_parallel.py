@@ -5,7 +5,9 @@ JAX starts). Each op is compared on a `seq`-only mesh (4 time shards: the Pallas
 data x seq mesh (the XLA implementation), outputs, both passes' final states and every cotangent (incl.
 the initial states'), with resets inside a shard, at a shard's first position and at the window's first
 position (the Mamba-3 kernels take no resets), and a rerun of the compiled call is bit-identical. In bf16 the sharded
-run must be as close to the float32 one-device run as the bf16 one-device run is. The train steps
+run must be as close to the float32 one-device run as the bf16 one-device run is (the bf16 gradients
+up to one more ulp). The loss (worker's `grad_fn`) has a cotangent with a bounded derivative, so the
+float32 comparisons measure the sharding, not the loss's amplification of output rounding. The train steps
 chain three windows through the recurrent state (resets in the second).
 """
 
@@ -40,8 +42,10 @@ def test_op_bf16_is_as_close_to_f32_as_one_device(results, case):
     r = results[case]
     for mesh in ("data2_seq2",):
         assert r[mesh][0] <= 1e-5, (mesh, r)           # outputs: the same bf16 values up to 1 ulp in a few
-        for i in (0, 1):                               # outputs, gradients vs the float32 run
-            assert r[mesh + "_vs_f32"][i] <= 1.25 * r["single_vs_f32"][i] + 1e-6, (mesh, r)
+        # outputs vs the float32 run; the gradients of bf16 arguments are bf16, where the shards'
+        # differently ordered sums flip a rounding: one bf16 ulp of the largest entry (2^-8) more
+        assert r[mesh + "_vs_f32"][0] <= 1.25 * r["single_vs_f32"][0] + 1e-6, (mesh, r)
+        assert r[mesh + "_vs_f32"][1] <= 1.25 * r["single_vs_f32"][1] + 2.0 ** -8, (mesh, r)
 
 
 @pytest.mark.parametrize("arch", ["mamba1", "mamba3"])
