@@ -212,10 +212,11 @@ def stage_breakdown(shape, dims, chunk, config, iters, workers):
     geo, prep = core_operands(inputs, chunk, config)
     del H
 
-    def operands(args, qk, d_out=None):   # args: Q, K, Q_bias, K_bias, scale, rate, dt, θ_entry, v, z, adt, skip, s0
-        return core.kernel_operands(*qk[:2], *args[8:12], s0=args[12], d_out=d_out)
+    def operands(args, qk, d_out=None):   # args: Q, K, Q_bias, K_bias, scale, rate, dt, θ_entry, v, z, adt, γ, s0, D
+        skip = core.skip_term(args[13], args[11], qk[3])       # D + γ⟨q̄, k̄⟩: the core's one XLA op
+        return core.kernel_operands(*qk[:2], *args[8:11], skip, s0=args[12], d_out=d_out)
 
-    def queries_keys(args):               # (q, k̃, θ)
+    def queries_keys(args):               # (q, k̃, θ, ⟨q̄, k̄⟩)
         return queries_keys_kernel(geo, *args[:8])
 
     def fwd_local(args, qk):
@@ -239,14 +240,16 @@ def stage_breakdown(shape, dims, chunk, config, iters, workers):
         return chunk_backward.chunk_gradients(geo, dict(operands(args, qk, d_out), **stored), entering, leaving)
 
     def qk_grads(args, qk, grads):
-        return qk_gradients.query_key_gradients(geo, *args[:7], qk[2], grads["dq"], grads["dk"])
+        return qk_gradients.query_key_gradients(geo, *args[:7], qk[2], grads["dq"], grads["dk"],
+                                                d_diagonal=grads["d_skip"] * args[11])
 
-    def glue_backward(cotangents):   # the VJP of prep (XLA): from the core's cotangents to the op's
+    def glue_backward(qk_g, grads, diagonal, d_initial):
+        """XLA: the core's cotangents of γ and D from d skip (skip = D + γ⟨q̄, k̄⟩), then the VJP of prep
+        (from the core's cotangents to the op's)."""
+        cotangents = tuple(qk_g) + (grads["dv"], grads.get("dz"), grads["d_adt"], grads["d_skip"] * diagonal,
+                                    d_initial, jnp.sum(grads["d_skip"], axis=(0, 1)))
         primals, vjp = jax.vjp(prep, *inputs)
         return vjp(tuple(None if c is None else c.astype(p.dtype) for c, p in zip(cotangents, primals)))
-
-    def core_cotangents(args, qk_g, grads, d_initial):
-        return tuple(qk_g) + (grads["dv"], grads.get("dz"), grads["d_adt"], grads["d_skip"], d_initial)
 
     stages = [("prep (XLA, before the core)", prep, lambda r: inputs),
               ("fwd 0: per-head q, k̃", queries_keys, lambda r: (r["args"],)),
@@ -258,8 +261,8 @@ def stage_breakdown(shape, dims, chunk, config, iters, workers):
               ("bwd 3: chunk gradients", bwd_chunks,
                lambda r: (r["args"], r["qk"], r["d_out"], r["entering"], r["leaving"], r["fwd_out"][1])),
               ("bwd 4: query/key gradients", qk_grads, lambda r: (r["args"], r["qk"], r["grads"])),
-              ("bwd 5: glue backward (XLA: the VJP of prep, which it recomputes)", glue_backward,
-               lambda r: (core_cotangents(r["args"], r["qk_g"], r["grads"], r["args"][12]),))]
+              ("bwd 5: glue backward (XLA: d γ, d D and the VJP of prep, which it recomputes)", glue_backward,
+               lambda r: (r["qk_g"], r["grads"], r["qk"][3], r["args"][12]))]
     # abstract values of every intermediate, so that all stages can be lowered before any runs
     shapes = {"args": jax.eval_shape(prep, *inputs)}
     shapes["d_out"] = jax.ShapeDtypeStruct(shapes["args"][8].shape, shapes["args"][8].dtype)

@@ -282,24 +282,32 @@ def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits, sh
 
     def reference(Q, K, Q_bias, K_bias, scale, rate, dt, entry):
         theta = None if rate is None else queries_keys.position_angles(geo, rate * dt[..., None], entry)
-        return queries_keys.head_queries_keys(geo, Q, K, Q_bias, K_bias, scale, theta)
+        q, k = queries_keys.head_queries_keys(geo, Q, K, Q_bias, K_bias, scale, theta)
+        return q, k, queries_keys.head_diagonal(geo, Q, K, Q_bias, K_bias)
 
     want, vjp = jax.vjp(reference, *args)
-    q, k, theta = queries_keys.head_queries_keys_kernel(geo, *args)
-    for name, g, w in zip(("q", "k"), (q, k), want):
+    q, k, theta, diagonal = queries_keys.head_queries_keys_kernel(geo, *args)
+    for name, g, w in zip(("q", "k", "diagonal"), (q, k, diagonal), want):
         assert_close(name, g, w, 4e-6)
+    # ⟨q̄_h, k̄_h⟩ from the op's own layout (N columns, no kernel layout): the padding adds nothing
+    back = lambda x: np.asarray(queries_keys.from_kernel_layout(geo, x), np.float64)
+    heads = lambda x, b: np.repeat(back(x), H // G, axis=2) + back(b)
+    assert_close("diagonal vs numpy", diagonal, np.sum(heads(Q, Q_bias) * heads(K, K_bias), axis=-1), 4e-6)
     if rate is None:
         assert theta is None
     else:
         assert_close("theta", theta, queries_keys.position_angles(geo, rate * dt[..., None], entry), 4e-6)
     dq, dk = (jnp.asarray(r.normal(size=(bsz, T, H, Np)), jnp.float32) for _ in range(2))
-    got = qk_gradients.query_key_gradients(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta, dq, dk)
-    for name, g, w in zip(("dQ", "dK", "dQ_bias", "dK_bias", "d_scale", "d_rate", "d_dt", "d_entry"), got,
-                          vjp((dq, dk))):
-        if w is None:
-            assert g is None, name
-        else:
-            assert_close(name, g, w, 4e-6)
+    d_diagonal = jnp.asarray(r.normal(size=(bsz, T, H)), jnp.float32)
+    names = ("dQ", "dK", "dQ_bias", "dK_bias", "d_scale", "d_rate", "d_dt", "d_entry")
+    for cot in ((dq, dk, None), (dq, dk, d_diagonal)):     # without and with the skip term's ⟨q̄, k̄⟩
+        got = qk_gradients.query_key_gradients(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta, *cot)
+        ref = vjp((cot[0], cot[1], jnp.zeros_like(d_diagonal) if cot[2] is None else cot[2]))
+        for name, g, w in zip(names, got, ref):
+            if w is None:
+                assert g is None, name
+            else:
+                assert_close(name, g, w, 4e-6)
 
 
 def test_vmap_jit_and_checkpoint_gradients_match_reference():

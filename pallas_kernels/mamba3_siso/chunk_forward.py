@@ -7,8 +7,8 @@ dots:
     Y = diag(e^{cs})·Q·S_cᵀ + ((Q·K̃ᵀ) ⊙ Λ)·V + diag(skip)·V,     out = Y ⊙ silu(Z)  (if Z)
 
 with Q the biased rotated queries and K̃ = s·(rotated biased keys) of this head (formed in the dot
-operand dtype by queries_keys.head_queries_keys_kernel), Λ_ij = e^{cs_i − cs_j}[i > j] and skip = D + γ⟨q̄, k̄⟩ (per position, from
-the glue).
+operand dtype by queries_keys.head_queries_keys_kernel), Λ_ij = e^{cs_i − cs_j}[i > j] and skip = D + γ⟨q̄, k̄⟩ (per position: ⟨q̄, k̄⟩
+from the query/key kernel, one elementwise op in core.py).
 
 Numerics: decays, the gate and every accumulation are float32; dot operands are in `matmul_dtype`
 (bf16 for bf16 activations: Q, K̃, the scores ⊙ Λ, V and S_c, as the official kernel does; exact

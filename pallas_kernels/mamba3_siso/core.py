@@ -3,18 +3,22 @@
 What the core computes (everything around it, elementwise or small, is plain JAX in scan.py and
 differentiated by JAX): for the padded operands in the kernel layout of config.py,
 
-    out, S_final = core(Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, skip, S_0)
+    out, S_final = core(Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, gamma, S_0, D)
 
-  forward   queries_keys.head_queries_keys_kernel -> per-head q, k̃ in the dot operand dtype (1 kernel)
+  forward   queries_keys.head_queries_keys_kernel -> per-head q, k̃ in the dot operand dtype and
+                                                     ⟨q̄, k̄⟩, so skip = D + γ⟨q̄, k̄⟩ is one elementwise
+                                                     XLA op (1 kernel)
             state_passes.forward_state_pass   -> states entering every chunk, S_final  (2 kernels)
             chunk_forward.chunk_outputs       -> out                                   (1 kernel)
   backward  state_passes.adjoint_state_pass   -> adjoints leaving every chunk, dS_0    (2 kernels)
             chunk_backward.chunk_gradients    -> dq, dk̃, dV, dZ, dADT, dskip  (1-3 launches, default 3)
-            qk_gradients.query_key_gradients  -> dQ, dK, bias, scale and angle gradients (1 kernel)
+            qk_gradients.query_key_gradients  -> dQ, dK, bias, scale and angle gradients, the skip
+                                                 term's ⟨q̄, k̄⟩ gradient included (1 kernel)
   Partial sums (bias gradients over chunks, dQ and dK over slices of a group's heads) are reduced by
   XLA in a fixed order: deterministic, no atomics.
 
-Residuals: the inputs, the per-head q, k̃ (dot operand dtype, [Bt, Tp, H, Np]), the wrapped angle
+Residuals: the inputs, the per-head q, k̃ (dot operand dtype, [Bt, Tp, H, Np]), ⟨q̄, k̄⟩ ([Bt, Tp, H]
+float32), the wrapped angle
 at every position θ ([Bt, Tp, H, Sp] float32, so the backward forms no forward prefix sum) and the
 states entering every chunk
 ([Bt, H, nc, Pp, Np]), and when the config asks (stored_scores, stored_ungated) the chunks' masked
@@ -27,6 +31,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.common.dtypes import F32
 from pallas_kernels.mamba3_siso import chunk_backward, chunk_forward, state_passes
@@ -41,7 +46,7 @@ def kernel_operands(q, k, v, z, adt, skip, s0=None, d_out=None):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def chunked_core(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, skip, s0):
+def chunked_core(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, gamma, s0, D):
     """The chunked scan on kernel layouts (config.py, layout.py).
 
     Args:
@@ -51,41 +56,50 @@ def chunked_core(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt, theta
       rate: [Bt, Tp, 1 or H, Sp] float32 π·tanh(angles) (the increment of head h is rate·DT_h) and
         theta_entry: [Bt, nc, H, Sp] float32 wrapped angle entering each chunk, or both None (no angles).
       v: [Bt, Tp, H, Pp]; z: [Bt, Tp, H, Pp] or None.
-      adt, skip: [Bt, Tp, H] float32 (ADT, D + γ⟨q̄, k̄⟩).
+      adt, gamma: [Bt, Tp, H] float32 (ADT; γ = λ·DT, the weight of ⟨q̄, k̄⟩ in skip = D + γ⟨q̄, k̄⟩).
       s0: [Bt, H, Pp, Np] float32, the augmented initial state.
+      D: [H] float32 skip weight (zeros for none).
 
     Returns:
       (out [Bt, Tp, H, Pp] in v.dtype, final state [Bt, H, Pp, Np] float32).
     """
-    out, final, _ = _forward(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, skip, s0)
+    out, final, _ = _forward(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, gamma, s0, D)
     return out, final
 
 
-def _forward(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, skip, s0, *, for_backward=False):
-    q, k, theta = head_queries_keys_kernel(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry)
-    ops = kernel_operands(q, k, v, z, adt, skip, s0=s0)
+def skip_term(D, gamma, diagonal):
+    """skip = D + γ⟨q̄, k̄⟩ [Bt, Tp, H] float32 (D [H], γ and ⟨q̄, k̄⟩ [Bt, Tp, H])."""
+    return D.astype(F32) + gamma * diagonal
+
+
+def _forward(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, gamma, s0, D, *, for_backward=False):
+    q, k, theta, diagonal = head_queries_keys_kernel(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry)
+    ops = kernel_operands(q, k, v, z, adt, skip_term(D, gamma, diagonal), s0=s0)
     entering, final = state_passes.forward_state_pass(geo, ops)
     out, stored = chunk_forward.chunk_outputs(geo, ops, entering, for_backward=for_backward)
-    return out, final, (q, k, theta, entering, stored)
+    return out, final, (q, k, theta, diagonal, entering, stored)
 
 
-def _core_fwd(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, skip, s0):
-    out, final, (q, k, theta, entering, stored) = _forward(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry,
-                                                           v, z, adt, skip, s0, for_backward=True)
-    return (out, final), (Q, K, Q_bias, K_bias, scale, rate, dt, theta, q, k, v, z, adt, skip, entering, stored)
+def _core_fwd(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, gamma, s0, D):
+    out, final, (q, k, theta, diagonal, entering, stored) = _forward(
+        geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, gamma, s0, D, for_backward=True)
+    return (out, final), (Q, K, Q_bias, K_bias, scale, rate, dt, theta, q, k, v, z, adt, gamma, D, diagonal,
+                          entering, stored)
 
 
 def _core_bwd(geo, residuals, cotangents):
-    Q, K, Q_bias, K_bias, scale, rate, dt, theta, q, k, v, z, adt, skip, entering, stored = residuals
+    Q, K, Q_bias, K_bias, scale, rate, dt, theta, q, k, v, z, adt, gamma, D, diagonal, entering, stored = residuals
     d_out, d_final = cotangents
-    ops = dict(kernel_operands(q, k, v, z, adt, skip, d_out=d_out.astype(v.dtype)), **stored)
+    ops = dict(kernel_operands(q, k, v, z, adt, skip_term(D, gamma, diagonal), d_out=d_out.astype(v.dtype)),
+               **stored)
     leaving, d_initial = state_passes.adjoint_state_pass(geo, ops, d_final.astype(F32))
     g = chunk_backward.chunk_gradients(geo, ops, entering, leaving)
+    d_skip = g["d_skip"]
     dQ, dK, dQ_bias, dK_bias, d_scale, d_rate, d_dt, d_entry = query_key_gradients(
-        geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta, g["dq"], g["dk"])
+        geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta, g["dq"], g["dk"], d_diagonal=d_skip * gamma)
+    d_D = jnp.sum(d_skip, axis=(0, 1)).astype(D.dtype)
     return (dQ.astype(Q.dtype), dK.astype(K.dtype), dQ_bias, dK_bias, d_scale, d_rate, d_dt, d_entry, g["dv"],
-            g.get("dz"),
-            g["d_adt"], g["d_skip"], d_initial)
+            g.get("dz"), g["d_adt"], d_skip * diagonal, d_initial, d_D)
 
 
 chunked_core.defvjp(_core_fwd, _core_bwd)

@@ -9,7 +9,7 @@ Layouts (HBM):
   group rows     [Bt, Tp, G, Np]      Q, K (activation dtype) and dQ, dK (float32, per head slice)
   head rows      [Bt, Tp, H, w]       w = Np: queries q, keys k̃ and their float32 gradients;
                                       w = Pp: V, Z, out, d_out, dV, dZ
-  sequences      [Bt, Tp, H]          ADT, skip D + γ⟨q̄, k̄⟩ and their gradients (float32), in the
+  sequences      [Bt, Tp, H]          ADT, γ, ⟨q̄, k̄⟩, skip D + γ⟨q̄, k̄⟩ and their gradients (float32), in the
                                       layout of the per-position math around the kernels (a chunk's
                                       [L] vector is a strided load): no [Bt, H, Tp] transposes
   chunk states   [Bt, H, nc, Pp, Np]  a per-chunk state: a chunk's own contribution, the state entering

@@ -8,6 +8,10 @@ k̃ = s·R(θ)ȳ (queries_keys.py), the backward is
     dȳ_h = s·R(θ)ᵀ dk̃_h                        dK[g]  = Σ_{h in g} dȳ_h,     dK_bias[h] = Σ_{b,t} dȳ_h
     ds_h = ⟨ȳ_h, R(θ)ᵀ dk̃_h⟩                   dθ_h   = ∂θ⟨dq_h, R(θ)x̄_h⟩ + s·∂θ⟨dk̃_h, R(θ)ȳ_h⟩
 
+plus, when the skip term's inner product ⟨x̄_h, ȳ_h⟩ (queries_keys.head_diagonal) has a gradient c_h
+(d_diagonal = γ·d skip), c_h·ȳ_h in dx̄_h and c_h·x̄_h in dȳ_h (the rotation leaves it unchanged, so
+dθ gets nothing from it)
+
 and, with θ_t = (θ_entry + Σ_{r <= t in the chunk} inc_r) mod 2π (written by the forward kernel, so
 only the reverse prefix sum is formed here), d inc_t = Σ_{t' >= t in the chunk} dθ_t' and
 dθ_entry = Σ_{chunk} dθ. The increments are inc_h = rate·DT_h, so the kernel returns their two
@@ -28,7 +32,8 @@ XLA adds the totals of the chunk's later blocks to d DT and d rate afterwards (`
 Outputs per program: the slice's share of the dQ, dK rows, ds and dθ per head, and the block's share
 of the bias gradients and of dθ_entry (the shares are summed by XLA in a fixed order: deterministic,
 no atomics). Numerics: float32 throughout.
-The pure-JAX reference is the VJP of queries_keys.head_queries_keys ∘ queries_keys.position_angles.
+The pure-JAX reference is the VJP of queries_keys.head_queries_keys ∘ queries_keys.position_angles
+(and of queries_keys.head_diagonal).
 """
 
 from __future__ import annotations
@@ -44,13 +49,15 @@ from pallas_kernels.mamba3_siso.config import ScanGeometry
 from pallas_kernels.mamba3_siso.queries_keys import rate_operand
 
 
-def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt, theta, dq, dk):
+def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt, theta, dq, dk, d_diagonal=None):
     """Args (kernel layout, config.py):
       Q, K: [Bt, Tp, G, Np] activation dtype; Q_bias, K_bias: [H, Np] float32; scale: [Bt, Tp, H] float32;
       rate: [Bt, Tp, 1 or H, Sp], dt: [Bt, Tp, H] and theta: [Bt, Tp, H, Sp] float32 (the increments'
         factors, as for queries_keys.head_queries_keys_kernel, and the wrapped angle at every position,
         the forward kernel's or queries_keys.position_angles), or all None (no angles);
       dq, dk: [Bt, Tp, H, Np] gradients of q, k̃ (float32, or the dot operand dtype: read as float32).
+      d_diagonal: [Bt, Tp, H] float32 gradient of ⟨q̄_h, k̄_h⟩ (queries_keys.head_diagonal), or None (no
+        such term): adds d_diagonal·k̄_h to dx̄_h and d_diagonal·q̄_h to dȳ_h, hence to dQ, dK and the biases.
 
     Returns:
       (dQ, dK [Bt, Tp, G, Np] float32, dQ_bias, dK_bias [H, Np] float32, d_scale [Bt, Tp, H] float32,
@@ -60,6 +67,7 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt
     pieces = geo.pieces
     rotated = theta is not None
     shared_rate = rotated and rate.shape[2] == 1
+    with_diagonal = d_diagonal is not None
 
     def body(refs):
         def load(ref, name, head=None):
@@ -87,10 +95,14 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt
             gq, gk = rotate_back(dq_h, rotation), rotate_back(dk_h, rotation)
             d_scale = None
             dq_sum, dk_sum = dict(dq_sum), dict(dk_sum)
+            c = refs["d_diagonal"][:, j][:, None] if with_diagonal else None
             for n, start, width in pieces:
                 term = jnp.sum(y[n] * gk[n], axis=1)
                 d_scale = term if d_scale is None else d_scale + term
                 dk_bar = s[:, None] * gk[n]
+                if with_diagonal:
+                    gq[n] = gq[n] + c * y[n]
+                    dk_bar = dk_bar + c * x[n]
                 refs["dqb"][j, pl.ds(start, width)] = jnp.sum(gq[n], axis=0)
                 refs["dkb"][j, pl.ds(start, width)] = jnp.sum(dk_bar, axis=0)
                 dq_sum[n] = dq_sum[n] + gq[n]
@@ -129,7 +141,9 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt
               ("K_bias", K_bias.reshape(slices + (Np,)), grid.biases()),
               ("scale", grid.per_head(scale), grid.head_scalars()),
               ("dq", grid.per_head(dq), grid.head_rows(Np)), ("dk", grid.per_head(dk), grid.head_rows(Np)),
-              ("theta", None if theta is None else grid.per_head(theta), grid.head_rows(Sp))]
+              ("theta", None if theta is None else grid.per_head(theta), grid.head_rows(Sp)),
+              ("d_diagonal", None if d_diagonal is None else grid.per_head(d_diagonal.astype(F32)),
+               grid.head_scalars())]
     if rotated:
         inputs += [rate_operand(grid, rate), ("dt", grid.per_head(dt), grid.head_scalars())]
     nc, nb = geo.n_chunks, grid.blocks // geo.n_chunks

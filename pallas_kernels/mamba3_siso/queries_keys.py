@@ -104,9 +104,21 @@ def rate_operand(grid: layout.GroupGrid, rate):
     return "rate", grid.per_head(rate), grid.head_rows(rate.shape[-1])
 
 
+def head_diagonal(geo: ScanGeometry, Q, K, Q_bias, K_bias):
+    """⟨q̄_h, k̄_h⟩ [Bt, Tp, H] float32, q̄_h = Q[g] + Q_bias[h], k̄_h = K[g] + K_bias[h] (kernel layout; the
+    zero padding adds nothing; the rotation would not change it): the inner product in the skip term
+    D + γ⟨q̄, k̄⟩, formed per head from the group rows (pure-JAX reference of the kernel's `diagonal`)."""
+    G = Q.shape[2]
+    q = jnp.repeat(Q.astype(F32), geo.heads // G, axis=2) + Q_bias
+    k = jnp.repeat(K.astype(F32), geo.heads // G, axis=2) + K_bias
+    return jnp.sum(q * k, axis=-1)
+
+
 def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry):
     """Pallas version of `head_queries_keys` at θ = `position_angles(rate·dt, theta_entry)`, rounded to
-    the dot operand dtype: (q, k̃ [Bt, Tp, H, Np], θ [Bt, Tp, H, Sp] float32 or None).
+    the dot operand dtype, and of `head_diagonal`: (q, k̃ [Bt, Tp, H, Np], θ [Bt, Tp, H, Sp] float32 or
+    None, ⟨q̄, k̄⟩ [Bt, Tp, H] float32 — the skip term's inner product, from the biased rows the kernel
+    forms anyway, so the op's glue needs no [Bt, T, G, N] × [H, N] products of its own).
 
     rate: [Bt, Tp, 1 or H, Sp] π·tanh(angles) (1: shared by the heads), dt: [Bt, Tp, H] DT (the
     increment of head h is rate·DT_h, formed here) and theta_entry: [Bt, nc, H, Sp] angles entering
@@ -134,9 +146,15 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rat
                 refs["theta"][:, j, :] = angle
                 rotation = (jnp.cos(angle), jnp.sin(angle))
             s = refs["scale"][:, j]
+            biased = {p: {n: rows[p][n] + refs[f"{p}_bias"][j, pl.ds(start, width)][None, :]
+                          for n, start, width in pieces} for p in "QK"}
+            diagonal = None
+            for n, _, _ in pieces:
+                term = jnp.sum(biased["Q"][n] * biased["K"][n], axis=1)
+                diagonal = term if diagonal is None else diagonal + term
+            refs["diagonal"][:, j] = diagonal
             for p, out in (("Q", "q"), ("K", "k")):
-                turned = rotate({n: rows[p][n] + refs[f"{p}_bias"][j, pl.ds(start, width)][None, :]
-                                 for n, start, width in pieces}, rotation)
+                turned = rotate(biased[p], rotation)
                 for n, start, width in pieces:
                     x = turned[n]
                     refs[out][:, j, pl.ds(start, width)] = (x if p == "Q" else s[:, None] * x).astype(mm)
@@ -153,11 +171,13 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rat
     if rotated:
         inputs += [rate_operand(grid, rate), ("dt", grid.per_head(dt), grid.head_scalars())]
     per_head = jax.ShapeDtypeStruct((bsz, Tp) + slices, mm)
-    outputs = [("q", per_head, grid.head_rows(Np)), ("k", per_head, grid.head_rows(Np))]
+    outputs = [("q", per_head, grid.head_rows(Np)), ("k", per_head, grid.head_rows(Np)),
+               ("diagonal", jax.ShapeDtypeStruct((bsz, Tp) + slices[:-1], F32), grid.head_scalars())]
     if rotated:
         outputs.append(("theta", jax.ShapeDtypeStruct((bsz, Tp) + slices[:-1] + (geo.angle_width,), F32),
                         grid.head_rows(geo.angle_width)))
     out = layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_fwd_queries_keys", geo.config.num_warps_qk)
     H = geo.heads
     theta = None if not rotated else out["theta"].reshape(bsz, Tp, H, geo.angle_width)
-    return out["q"].reshape(bsz, Tp, H, Np), out["k"].reshape(bsz, Tp, H, Np), theta
+    return (out["q"].reshape(bsz, Tp, H, Np), out["k"].reshape(bsz, Tp, H, Np), theta,
+            out["diagonal"].reshape(bsz, Tp, H))

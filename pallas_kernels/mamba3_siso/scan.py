@@ -1,6 +1,6 @@
 """The Pallas Mamba-3 SISO scan on prepared operands: layout, chunk-entry angles, the chunked core.
 
-`chunked_scan(Q, K, V, Q_bias, K_bias, scale, skip, ADT, rate, dt, angle0, s0, Z, *, chunk_size)`
+`chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, rate, dt, angle0, s0, Z, *, chunk_size)`
 -> (out [Bt, T, H, P] in V.dtype, ssm_final [Bt, H, P, N] float32, θ_final [Bt, H, S] float32),
 differentiable w.r.t. every array argument. The per-position preprocessing that turns the op's
 arguments into these operands (the trapezoid weights, the skip term, the angle increments, the
@@ -9,7 +9,8 @@ entering state) is shared with the XLA implementation and lives with the op
 core (core.py: one custom_vjp around four kernels forward and four to six backward, the query/key
 kernels of queries_keys.py and qk_gradients.py included) is hand-differentiated (docs/mamba3_siso.md §4).
 
-  operands       s = γ + σ̂ [Bt, T, H] (key scale), skip = D + γ⟨q̄, k̄⟩ [Bt, T, H],
+  operands       s = γ + σ̂ [Bt, T, H] (key scale), γ [Bt, T, H] and D [H] (the skip term
+                 D + γ⟨q̄, k̄⟩ is formed inside the core, ⟨q̄, k̄⟩ by the query/key kernel),
                  rate = π·tanh(Angles) [Bt, T, 1 or H, S] (None when S = 0) and DT [Bt, T, H], whose
                  product inc = rate·DT is the per-head angle increment (formed inside the
                  kernels, never as a [Bt, T, H, S] array), θ_{-1} [Bt, H, S],
@@ -19,7 +20,7 @@ kernels of queries_keys.py and qk_gradients.py included) is hand-differentiated 
                  every position, θ_t = (θ_entry + Σ_{r <= t in the chunk} inc_r) mod 2π
 
 Layout work done here (layout.py, config.py): T padded to a multiple of the chunk (ADT = 0 and
-s = skip = DT = 0 there: identity steps with zero input, so the final state is exact), headdim
+s = γ = DT = 0 there: identity steps with zero input, so the final state is exact), headdim
 padded to Pp, and d_state of Q, K, the biases and the state permuted into the kernel layout
 (even | odd | rest pieces, zero-padded): [.., G, N] arrays only; the per-head [.., H, Np] operands
 are formed in that layout inside the core.
@@ -51,13 +52,13 @@ def matmul_dtype(Q, K, V):
     return jnp.dtype(F32)
 
 
-def chunked_scan(Q, K, V, Q_bias, K_bias, scale, skip, ADT, rate, dt, angle0, s0, Z, *, chunk_size,
+def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, rate, dt, angle0, s0, Z, *, chunk_size,
                  config: Mamba3ScanConfig | None = None, interpret: bool = False):
     """Chunked Pallas Mamba-3 SISO scan on prepared operands.
 
     Args:
       Q, K: [Bt, T, G, N] (unrotated, before the biases); V: [Bt, T, H, P]; Q_bias, K_bias: [H, N].
-      scale, skip, ADT: [Bt, T, H] float32 (see the module docstring).
+      scale, gamma, ADT: [Bt, T, H] float32 (see the module docstring); D: [H] skip weight or None.
       rate: [Bt, T, 1 or H, S] float32 π·tanh(Angles) (1: shared by the heads), or None when S = 0;
       dt: [Bt, T, H] float32 DT (the increment of head h is rate·DT_h; unused when S = 0).
       angle0: [Bt, H, S] the entering angle; s0: [Bt, H, P, N] the entering (augmented) state.
@@ -90,8 +91,9 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, skip, ADT, rate, dt, angle0, s0
         to_kernel_layout(geo, Q_bias.astype(F32)), to_kernel_layout(geo, K_bias.astype(F32)),
         _pad_time(geo, scale), rate, dt, theta_entry,
         _pad_headdim(geo, _pad_time(geo, V)), None if Z is None else _pad_headdim(geo, _pad_time(geo, Z)),
-        _pad_time(geo, ADT.astype(F32)), _pad_time(geo, skip),       # zero padding: ADT = 0 is the identity decay
-        _pad_headdim(geo, to_kernel_layout(geo, s0), axis=2))
+        _pad_time(geo, ADT.astype(F32)), _pad_time(geo, gamma.astype(F32)),   # zero padding: ADT = 0 is the identity decay
+        _pad_headdim(geo, to_kernel_layout(geo, s0), axis=2),
+        jnp.zeros((H,), F32) if D is None else D.astype(F32))
     out, final = chunked_core(geo, *core_args)
     return out[:, :T, :, :P], from_kernel_layout(geo, final[:, :, :P]), theta_final
 

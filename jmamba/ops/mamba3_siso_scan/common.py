@@ -139,17 +139,3 @@ def entering_ssm(state: Mamba3ScanState, prev_weight0):
     """S_0 = h_{-1} + DT_0(1 − λ_0)·v_{-1}k_{-1}ᵀ [Bt, H, P, N]: the carried state with the β_0 term of
     the carried (k, v) folded in (docs/mamba3_siso.md §4.1); prev_weight0 [Bt, H]."""
     return state.ssm + prev_weight0[..., None, None] * state.v[..., :, None] * state.k[..., None, :]
-
-
-def biased_diagonal(Q, K, Q_bias, K_bias, H, acc):
-    """⟨q̄_t, k̄_t⟩ per head [Bt, T, H] in `acc`, q̄ = Q[g] + Q_bias[h], without forming [Bt, T, H, N]:
-    ⟨Q, K⟩ + ⟨Q, K_bias[h]⟩ + ⟨Q_bias[h], K⟩ + ⟨Q_bias[h], K_bias[h]⟩."""
-    bsz, T, G, N = Q.shape
-    hi = jax.lax.Precision.HIGHEST
-    q, k = Q.astype(acc), K.astype(acc)
-    qb = Q_bias.astype(acc).reshape(G, H // G, N)
-    kb = K_bias.astype(acc).reshape(G, H // G, N)
-    both = jnp.sum(q * k, axis=-1)[..., None]                                       # [Bt, T, G, 1]
-    cross = (jnp.einsum("btgn,gjn->btgj", q, kb, precision=hi)
-             + jnp.einsum("btgn,gjn->btgj", k, qb, precision=hi))                     # [Bt, T, G, H/G]
-    return (both + cross + jnp.sum(qb * kb, axis=-1)).reshape(bsz, T, H)
