@@ -97,7 +97,7 @@ def _core_bwd(geo, residuals, cotangents):
     d_skip = g["d_skip"]
     dQ, dK, dQ_bias, dK_bias, d_scale, d_rate, d_dt, d_entry = query_key_gradients(
         geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta, g["dq"], g["dk"], d_diagonal=d_skip * gamma)
-    d_D = jnp.sum(d_skip, axis=(0, 1)).astype(D.dtype)
+    d_D = jnp.sum(d_skip, axis=(0, 1))
     return (dQ.astype(Q.dtype), dK.astype(K.dtype), dQ_bias, dK_bias, d_scale, d_rate, d_dt, d_entry, g["dv"],
             g.get("dz"), g["d_adt"], d_skip * diagonal, d_initial, d_D)
 

@@ -59,9 +59,9 @@ def mamba3_siso_scan_pallas(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, z
 
     The per-position work is done here in float32 with the helpers the XLA implementation uses
     (common.py), and differentiated by JAX: the trapezoid weights (s = γ + σ̂; the skip term
-    D + γ⟨q̄, k̄⟩ is formed in the kernels' core, ⟨q̄, k̄⟩ by the query/key kernel), the angle rates π·tanh(Angles) (the kernels form the
-    per-head increments rate·DT), the
-    entering state with the β_0 term folded in, and the final key R(θ_{T-1})(K_{T-1} + K_bias).
+    D + γ⟨q̄, k̄⟩ is formed in the kernels' core, ⟨q̄, k̄⟩ by the query/key kernel), the angle rates
+    π·tanh(Angles) (the kernels form the per-head increments rate·DT), the entering state with the
+    β_0 term folded in, and the final key R(θ_{T-1})(K_{T-1} + K_bias).
     `tuning`: a `Mamba3ScanTuning` (its chunk_size and pallas_config, a Mamba3ScanConfig or None).
     """
     from pallas_kernels.mamba3_siso import chunked_scan
