@@ -17,6 +17,9 @@ ops at the benchmark shapes (the gradient of a fixed output cotangent, as the an
 
     python3 benchmarks/bench_dispatch.py [--arch mamba3,mamba1] [--shape b8t2048] [--iters 50]
 
+`--torch` reproduces the anchors' process: torch imported and holding GPU memory, and the clocks
+warmed by torch matmuls (as side_by_side.py's burn does) before each measurement instead of by jax.
+
 Run it once per XLA_FLAGS setting (e.g. `XLA_FLAGS=--xla_gpu_enable_command_buffer=`) to see what the
 command buffers cost or save. `--tiny` runs tiny shapes in interpret mode on the CPU.
 """
@@ -42,14 +45,14 @@ from jmamba.ops import Mamba3ScanTuning, mamba3_siso_scan, selective_scan  # noq
 M1_SHAPES = {"b8t2048": (8, 2048, 1536, 16), "b32t256": (32, 256, 1536, 16), "b2t8192": (2, 8192, 1536, 16)}
 
 
-def op_and_args(arch, shape, tiny):
+def op_and_args(arch, shape, tiny, per_head_angles=False):
     """(fn(*args) -> out, args list, cotangent) for one op at one shape, through the public jmamba.ops."""
     if arch == "mamba3":
         if tiny:
             (bsz, T), dims, chunk = m3.TINY["shape"], m3.TINY["dims"], m3.TINY["chunk"]
         else:
             (bsz, T), dims, chunk = m3.SHAPES[shape], m3.DIMS, 64
-        a = m3.make_args(bsz, T, dims)
+        a = m3.make_args(bsz, T, dims, per_head_angles=per_head_angles)
         names = list(a)
         impl = "xla" if tiny else "pallas"
         tuning = Mamba3ScanTuning(chunk_size=chunk)
@@ -114,8 +117,25 @@ def burn(seconds):
         jax.block_until_ready([mm(a) for _ in range(10)])
 
 
-def measure(arch, shape, iters, tiny):
-    fn, args, d_out = op_and_args(arch, shape, tiny)
+def torch_burn(seconds):
+    """The anchors' clock warm-up: torch bf16 matmuls on the GPU (a no-op without torch or a GPU)."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        return
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+
+
+def measure(arch, shape, iters, tiny, with_torch=False, per_head_angles=False):
+    fn, args, d_out = op_and_args(arch, shape, tiny, per_head_angles)
+    warm = (lambda: torch_burn(0.5)) if with_torch else (lambda: None)
     closed = jax.jit(lambda *a: jax.vjp(fn, *a)[1](d_out))
     as_arg = jax.jit(lambda g, *a: jax.vjp(fn, *a)[1](g))
     echo = jax.jit(lambda *a: [x + 1 for x in a])
@@ -123,11 +143,14 @@ def measure(arch, shape, iters, tiny):
     one = jnp.float32(1)
     burn(0.1 if tiny else 1.0)
     rows = []
-    label = f"{arch} {'tiny' if tiny else shape}"
-    rows.append(dict(variant="fwd+bwd, cotangent closed over", what=label, seconds=split_times(closed, args, iters)))
-    rows.append(dict(variant="fwd+bwd, cotangent as argument", what=label,
-                     seconds=split_times(as_arg, [d_out] + args, iters)))
-    rows.append(dict(variant="trivial: every argument + 1", what=label, seconds=split_times(echo, args, iters)))
+    label = (f"{arch} {'tiny' if tiny else shape}" + (" per-head angles" if per_head_angles and arch == "mamba3" else "")
+             + (" (torch)" if with_torch else ""))
+    for variant, f, a in (("fwd+bwd, cotangent closed over", closed, args),
+                          ("fwd+bwd, cotangent as argument", as_arg, [d_out] + args),
+                          ("trivial: every argument + 1", echo, args)):
+        warm()
+        rows.append(dict(variant=variant, what=label, seconds=split_times(f, a, iters)))
+    warm()
     rows.append(dict(variant="trivial: one scalar add", what="", seconds=split_times(scalar, [one], iters)))
     return rows
 
@@ -138,16 +161,23 @@ def main(argv=None):
     p.add_argument("--shape", default="b8t2048", help="b8t2048, b32t512 (mamba3) / b32t256 (mamba1), b2t8192")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--tiny", action="store_true", help="tiny shapes, xla implementation (CPU smoke run)")
+    p.add_argument("--torch", action="store_true",
+                   help="as in the anchors' process: torch holding GPU memory, clocks warmed by torch matmuls")
+    p.add_argument("--per-head-angles", action="store_true", help="Mamba-3 Angles [Bt, T, H, S] (the anchors')")
     a = p.parse_args(argv)
+    if a.torch:
+        torch_burn(0.1)
     iters = 5 if a.tiny else a.iters
+    env = __import__("os").environ
     print(f"# synchronised call split, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-          f"XLA_FLAGS={__import__('os').environ.get('XLA_FLAGS', '')!r}")
+          f"XLA_FLAGS={env.get('XLA_FLAGS', '')!r}, XLA_PYTHON_CLIENT_PREALLOCATE="
+          f"{env.get('XLA_PYTHON_CLIENT_PREALLOCATE', '')!r}, torch={a.torch}")
     print("| op | variant | blocked ms | dispatch ms | wait ms | pipelined ms/call |")
     print("|---|---|---|---|---|---|")
     rows = []
     for arch in a.arch.split(","):
         shape = a.shape if arch == "mamba3" or a.shape in M1_SHAPES else "b32t256"
-        for r in measure(arch, shape, iters, a.tiny):
+        for r in measure(arch, shape, iters, a.tiny, with_torch=a.torch, per_head_angles=a.per_head_angles):
             s = r["seconds"]
             print(f"| {r['what']} | {r['variant']} | {s['blocked'] * 1e3:.3f} | {s['dispatch'] * 1e3:.3f} | "
                   f"{s['wait'] * 1e3:.3f} | {s['pipelined'] * 1e3:.3f} |", flush=True)

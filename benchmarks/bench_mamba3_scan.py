@@ -88,9 +88,11 @@ ADT = [DEFAULT_CONFIG, dataclasses.replace(DEFAULT_CONFIG, adt_in_values=False),
 SWEEP_SETS = {"all": SWEEP, "stored": [DEFAULT_CONFIG] + SWEEP[-4:], "qk": QK_SWEEP, "qk16": QK16, "adt": ADT}
 
 
-def make_args(bsz, T, dims, dtype=jnp.bfloat16, seed=0):
+def make_args(bsz, T, dims, dtype=jnp.bfloat16, seed=0, per_head_angles=False):
     """Op arguments like a Mamba-3 layer's (the official test's generator: rms-normed Q/K, DT
-    log-uniform in [1e-3, 0.1], ADT = -U[1, 16]·DT, D = 1)."""
+    log-uniform in [1e-3, 0.1], ADT = -U[1, 16]·DT, D = 1). Angles are shared by the heads
+    ([Bt, T, S], the layer's) or, with per_head_angles, [Bt, T, H, S] (the anchors' op timing uses
+    those: per-head rates and rate gradients, 4× more angle traffic at S = N/4)."""
     H, P, N, G, S = (dims[k] for k in ("H", "P", "N", "G", "S"))
     r = np.random.default_rng(seed)
 
@@ -101,7 +103,7 @@ def make_args(bsz, T, dims, dtype=jnp.bfloat16, seed=0):
     dt = np.exp(r.uniform(np.log(1e-3), np.log(1e-1), (bsz, T, H)))
     a = dict(Q=rms_normed((bsz, T, G, N)), K=rms_normed((bsz, T, G, N)), V=r.normal(size=(bsz, T, H, P)),
              ADT=-r.uniform(1, 16, (bsz, T, H)) * dt, DT=dt, Trap=r.uniform(0, 1, (bsz, T, H)),
-             Q_bias=r.normal(size=(H, N)), K_bias=r.normal(size=(H, N)), Angles=r.normal(size=(bsz, T, S)),
+             Q_bias=r.normal(size=(H, N)), K_bias=r.normal(size=(H, N)), Angles=r.normal(size=(bsz, T, H, S) if per_head_angles else (bsz, T, S)),
              D=np.ones(H), z=r.normal(size=(bsz, T, H, P)))
     low = ("Q", "K", "V", "z", "Trap")
     return {k: jnp.asarray(v, dtype if k in low else jnp.float32) for k, v in a.items()}

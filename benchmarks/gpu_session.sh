@@ -24,8 +24,15 @@
 #                                                  m3_qk (the query/key kernels' knobs: op sweep at both shapes)
 #                                                  m3_adt e2e3_adt (dADT in the values vs keys launch, keys+queries in one launch: op sweep, train step)
 #                                                  dispatch (a synchronised op call split: dispatch, wait, pipelined, trivial-jit floor; with and without command buffers)
+#                                                  m3_prof32 (the op's per-kernel profile at B=32 T=512)
+#                                                  m3_ncu (Nsight Compute on the op's 10 Pallas kernels, NCU_SHAPE=b32t512)
+#                                                  dispatch32 (bench_dispatch.py, Mamba-3 at B=32 T=512; dispatch32h: per-head
+#                                                  angles as the anchors' op timing, alone and in the anchors' process
+#                                                  conditions) m3_prof32h (the profile with per-head angles)
 #                                                  m3_qk16 m3_prof16 e2e3_qk16 (dq, dk̃ in bf16, the default, vs float32:
 #                                                  op sweep, per-kernel profiles of the op, train step with profile)
+# cache_restore / cache_save: the Triton (official kernels) and JAX compilation caches, unpacked from
+# .devcache/*.tgz (git-ignored; carry .devcache) / packed into $OUT (copy them to .devcache for the next call).
 # anchors_* / side_*: the official kernels and PyTorch model (the anchors folder copied to .anchors, carried):
 # anchors_build starts their CUDA build in the background (~7 min), side_* wait for it.
 #                                                  (default: the list in `stages=` below)
@@ -35,6 +42,7 @@ set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD PYTHONWARNINGS=ignore::DeprecationWarning
 export JAX_COMPILATION_CACHE_DIR=/tmp/jcc JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+export TRITON_CACHE_DIR=/tmp/tc
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 stages=${*:-tests adamw_tests e2e1 e2e3 m3_profile adamw dp2 m3_bench}
 wait_anchors() {  # both official CUDA extensions built (at most 9 min after anchors_build)
@@ -68,6 +76,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu
 OPT=fused
 for s in $stages; do case $s in
   tests)       run gpu_tests 360 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ ;;
+  cache_restore) for c in tc jcc; do [ -f .devcache/$c.tgz ] && mkdir -p /tmp/$c && tar xzf .devcache/$c.tgz -C /tmp/$c && echo "restored $c: $(du -sh /tmp/$c | cut -f1)"; done ;;
+  cache_save)  for c in tc jcc; do [ -d /tmp/$c ] && tar czf "$OUT/$c.tgz" -C /tmp/$c . && ls -la "$OUT/$c.tgz"; done ;;
+  m3_ncu)      run m3_ncu_${NCU_SHAPE:-b32t512} 240 ncu --clock-control none --kernel-name regex:mamba3_siso --launch-skip 10 --launch-count 10 \
+                 --section LaunchStats --section Occupancy --section SpeedOfLight --section WarpStateStats \
+                 --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+                 python3 benchmarks/bench_dispatch.py --arch mamba3 --shape ${NCU_SHAPE:-b32t512} --iters 2 ${NCU_ARGS:-} ;;
+  dispatch32)  run dispatch_b32t512 120 python3 benchmarks/bench_dispatch.py --arch mamba3 --shape b32t512 ;;
+  dispatch32h) run dispatch_b32t512_per_head_angles 120 python3 benchmarks/bench_dispatch.py --arch mamba3 --shape b32t512 --per-head-angles ;
+               XLA_PYTHON_CLIENT_PREALLOCATE=false run dispatch_b32t512_per_head_angles_torch 120 python3 benchmarks/bench_dispatch.py --arch mamba3 --shape b32t512 --per-head-angles --torch ;;
+  m3_prof32h)  run m3_profile_b32t512_per_head_angles 60 python3 benchmarks/profile_kernels.py mamba3 --shape b32t512 --iters 10 --per-head-angles ;;
+  m3_prof32)   run m3_profile_b32t512 60 python3 benchmarks/profile_kernels.py mamba3 --shape b32t512 --iters 10 ;;
   m3_tests)    run m3_gpu_tests 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -rA --durations=15 ;;
   m3_profile)  run m3_profile 60 python3 benchmarks/profile_kernels.py mamba3 --iters 10 ;;
   m3_bench)    run m3_bench 300 python3 benchmarks/bench_mamba3_scan.py --ref-iters 3 --sweep --breakdown ;;

@@ -187,6 +187,8 @@ def main(argv=None):
     p.add_argument("--forward", action="store_true")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--tiny", action="store_true", help="tiny shape, interpret mode (CPU smoke run)")
+    p.add_argument("--per-head-angles", action="store_true",
+                   help="Angles [Bt, T, H, S] (as the anchors' op timing) instead of shared [Bt, T, S]")
     p.add_argument("--scan-config", default=None, metavar="K=V,...",
                    help="Mamba3ScanConfig fields to change from the default, e.g. qk_gradient_dtype=dot_operand")
     a = p.parse_args(argv)
@@ -194,7 +196,7 @@ def main(argv=None):
         (bsz, T), dims, chunk, a.shape, a.iters = m3.TINY["shape"], m3.TINY["dims"], m3.TINY["chunk"], "tiny", 1
     else:
         (bsz, T), dims, chunk = m3.SHAPES[a.shape], m3.DIMS, 64
-    args = m3.make_args(bsz, T, dims)
+    args = m3.make_args(bsz, T, dims, per_head_angles=a.per_head_angles)
     config = m3.DEFAULT_CONFIG
     if a.scan_config:
         from benchmarks.measure import scan_config
@@ -205,7 +207,8 @@ def main(argv=None):
     else:
         d_out = jnp.asarray(np.random.default_rng(7).normal(size=args["V"].shape), jnp.bfloat16)
         f, fargs = jax.jit(m3.forward_and_backward(fn)), (args, d_out)
-    print(f"# {a.what} {'forward' if a.forward else 'forward+backward'} at {a.shape}, {a.iters} calls, "
+    print(f"# {a.what} {'forward' if a.forward else 'forward+backward'} at {a.shape}"
+          f"{', per-head angles' if a.per_head_angles else ''}, {a.iters} calls, "
           f"{jax.devices()[0].device_kind}\n")
     intervals, host = [], []
     totals, wall = kernel_times(f, fargs, a.iters, intervals, host)
