@@ -28,7 +28,8 @@
 #                                                  m3_ncu (Nsight Compute on the op's 10 Pallas kernels, NCU_SHAPE=b32t512)
 #                                                  dispatch32 (bench_dispatch.py, Mamba-3 at B=32 T=512; dispatch32h: per-head
 #                                                  angles as the anchors' op timing, alone and in the anchors' process
-#                                                  conditions) m3_prof32h (the profile with per-head angles)
+#                                                  conditions) m3_prof32h (the profile with per-head angles; m3_dump32h:
+#                                                  the same with the optimized HLO of the op's fwd+bwd packed)
 #                                                  m3_qk16 m3_prof16 e2e3_qk16 (dq, dk̃ in bf16, the default, vs float32:
 #                                                  op sweep, per-kernel profiles of the op, train step with profile)
 # cache_restore / cache_save: the Triton (official kernels) and JAX compilation caches, unpacked from
@@ -86,6 +87,8 @@ for s in $stages; do case $s in
   dispatch32h) run dispatch_b32t512_per_head_angles 120 python3 benchmarks/bench_dispatch.py --arch mamba3 --shape b32t512 --per-head-angles ;
                XLA_PYTHON_CLIENT_PREALLOCATE=false run dispatch_b32t512_per_head_angles_torch 120 python3 benchmarks/bench_dispatch.py --arch mamba3 --shape b32t512 --per-head-angles --torch ;;
   m3_prof32h)  run m3_profile_b32t512_per_head_angles 60 python3 benchmarks/profile_kernels.py mamba3 --shape b32t512 --iters 10 --per-head-angles ;;
+  m3_dump32h)  XLA_FLAGS="--xla_dump_to=/tmp/hlo_op --xla_dump_hlo_as_text" run m3_profile_b32t512_per_head_angles_dump 90 python3 benchmarks/profile_kernels.py mamba3 --shape b32t512 --iters 5 --per-head-angles ;
+               f=$(grep -l "mamba3_siso_bwd_query_key_gradients" /tmp/hlo_op/*after_optimizations.txt 2>/dev/null | head -1); [ -n "$f" ] && gzip -c "$f" > "$OUT/hlo_op_b32t512.txt.gz" && echo "packed $f" ;;
   m3_prof32)   run m3_profile_b32t512 60 python3 benchmarks/profile_kernels.py mamba3 --shape b32t512 --iters 10 ;;
   m3_tests)    run m3_gpu_tests 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -rA --durations=15 ;;
   m3_profile)  run m3_profile 60 python3 benchmarks/profile_kernels.py mamba3 --iters 10 ;;
