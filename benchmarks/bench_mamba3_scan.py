@@ -214,7 +214,7 @@ def stage_breakdown(shape, dims, chunk, config, iters, workers):
     geo, prep = core_operands(inputs, chunk, config)
     del H
 
-    def operands(args, qk, d_out=None):   # args: Q, K, Q_bias, K_bias, scale, rate, dt, θ_entry, v, z, adt, γ, s0, D
+    def operands(args, qk, d_out=None):   # args: Q, K, Q_bias, K_bias, scale, angles, dt, θ_entry, v, z, adt, γ, s0, D
         skip = core.skip_term(args[13], args[11], qk[3])       # D + γ⟨q̄, k̄⟩: the core's one XLA op
         return core.kernel_operands(*qk[:2], *args[8:11], skip, s0=args[12], d_out=d_out)
 

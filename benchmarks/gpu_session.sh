@@ -38,7 +38,7 @@
 # anchors_build starts their CUDA build in the background (~7 min), side_* wait for it.
 #                                                  (default: the list in `stages=` below)
 # e2e*_old time the tree of an earlier commit unpacked in .old/ (git archive REV | tar -x -C .old; carry
-# .old), for a before/after ratio in one call.
+# .old), for a before/after ratio in one call; m3_prof32h_old: the per-head-angle profile of that tree.
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD PYTHONWARNINGS=ignore::DeprecationWarning
@@ -89,6 +89,7 @@ for s in $stages; do case $s in
   m3_prof32h)  run m3_profile_b32t512_per_head_angles 60 python3 benchmarks/profile_kernels.py mamba3 --shape b32t512 --iters 10 --per-head-angles ;;
   m3_dump32h)  XLA_FLAGS="--xla_dump_to=/tmp/hlo_op --xla_dump_hlo_as_text" run m3_profile_b32t512_per_head_angles_dump 90 python3 benchmarks/profile_kernels.py mamba3 --shape b32t512 --iters 5 --per-head-angles ;
                f=$(grep -l "mamba3_siso_bwd_query_key_gradients" /tmp/hlo_op/*after_optimizations.txt 2>/dev/null | head -1); [ -n "$f" ] && gzip -c "$f" > "$OUT/hlo_op_b32t512.txt.gz" && echo "packed $f" ;;
+  m3_prof32h_old) PYTHONPATH=$PWD/.old run m3_profile_b32t512_per_head_angles_old 60 python3 .old/benchmarks/profile_kernels.py mamba3 --shape b32t512 --iters 10 --per-head-angles ;;
   m3_prof32)   run m3_profile_b32t512 60 python3 benchmarks/profile_kernels.py mamba3 --shape b32t512 --iters 10 ;;
   m3_tests)    run m3_gpu_tests 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -rA --durations=15 ;;
   m3_profile)  run m3_profile 60 python3 benchmarks/profile_kernels.py mamba3 --iters 10 ;;

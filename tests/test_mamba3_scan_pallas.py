@@ -254,8 +254,8 @@ def test_query_key_gradient_blocks_match_reference():
          "gradient-blocks-angle-sums-by-matmul"])
 def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits, shared, sums, blocks, chunk):
     """The per-head q, k̃ kernel (and the θ it writes) against queries_keys.head_queries_keys at the
-    angles of queries_keys.position_angles(rate·DT), and the query/key gradient kernel against JAX's
-    VJP of the two (every cotangent: Q, K, both biases, scale, the angle rates, shared by the heads or
+    angles of queries_keys.position_angles(π·tanh(angles)·DT), and the query/key gradient kernel against
+    JAX's VJP of the two (every cotangent: Q, K, both biases, scale, the raw angles, shared by the heads or
     per head, DT, angles entering the chunks), whole chunks per program or blocks of their rows
     (qk_grad_blocks: the later blocks' angle-gradient totals added outside the kernel)."""
     from pallas_kernels.mamba3_siso import qk_gradients, queries_keys
@@ -274,14 +274,17 @@ def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits, sh
     Q_bias, K_bias = lay(r.normal(size=(H, N))), lay(r.normal(size=(H, N)))
     scale = jnp.asarray(r.uniform(0.01, 0.5, (bsz, T, H)), jnp.float32)
     pad = [(0, 0)] * 3 + [(0, Sp - S)]
-    rate = None if S == 0 else jnp.pad(jnp.asarray(r.uniform(-3.0, 3.0, (bsz, T, 1 if shared else H, S)),
-                                                   jnp.float32), pad)
+    angles = None if S == 0 else jnp.pad(jnp.asarray(r.uniform(-3.0, 3.0, (bsz, T, 1 if shared else H, S)),
+                                                     jnp.float32), pad)
     dt = None if S == 0 else jnp.asarray(r.uniform(0.01, 0.3, (bsz, T, H)), jnp.float32)
     entry = None if S == 0 else jnp.pad(jnp.asarray(r.uniform(0, 2 * np.pi, (bsz, 2, H, S)), jnp.float32), pad)
-    args = (Q, K, Q_bias, K_bias, scale, rate, dt, entry)
+    args = (Q, K, Q_bias, K_bias, scale, angles, dt, entry)
 
-    def reference(Q, K, Q_bias, K_bias, scale, rate, dt, entry):
-        theta = None if rate is None else queries_keys.position_angles(geo, rate * dt[..., None], entry)
+    def increments(angles, dt):           # written here from the spec: π·tanh(raw angles)·DT
+        return np.pi * jnp.tanh(angles) * dt[..., None]
+
+    def reference(Q, K, Q_bias, K_bias, scale, angles, dt, entry):
+        theta = None if angles is None else queries_keys.position_angles(geo, increments(angles, dt), entry)
         q, k = queries_keys.head_queries_keys(geo, Q, K, Q_bias, K_bias, scale, theta)
         return q, k, queries_keys.head_diagonal(geo, Q, K, Q_bias, K_bias)
 
@@ -293,15 +296,15 @@ def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits, sh
     back = lambda x: np.asarray(queries_keys.from_kernel_layout(geo, x), np.float64)
     heads = lambda x, b: np.repeat(back(x), H // G, axis=2) + back(b)
     assert_close("diagonal vs numpy", diagonal, np.sum(heads(Q, Q_bias) * heads(K, K_bias), axis=-1), 4e-6)
-    if rate is None:
+    if angles is None:
         assert theta is None
     else:
-        assert_close("theta", theta, queries_keys.position_angles(geo, rate * dt[..., None], entry), 4e-6)
+        assert_close("theta", theta, queries_keys.position_angles(geo, increments(angles, dt), entry), 4e-6)
     dq, dk = (jnp.asarray(r.normal(size=(bsz, T, H, Np)), jnp.float32) for _ in range(2))
     d_diagonal = jnp.asarray(r.normal(size=(bsz, T, H)), jnp.float32)
-    names = ("dQ", "dK", "dQ_bias", "dK_bias", "d_scale", "d_rate", "d_dt", "d_entry")
+    names = ("dQ", "dK", "dQ_bias", "dK_bias", "d_scale", "d_angles", "d_dt", "d_entry")
     for cot in ((dq, dk, None), (dq, dk, d_diagonal)):     # without and with the skip term's ⟨q̄, k̄⟩
-        got = qk_gradients.query_key_gradients(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta, *cot)
+        got = qk_gradients.query_key_gradients(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta, *cot)
         ref = vjp((cot[0], cot[1], jnp.zeros_like(d_diagonal) if cot[2] is None else cot[2]))
         for name, g, w in zip(names, got, ref):
             if w is None:

@@ -21,6 +21,17 @@ from pallas_kernels.common.dtypes import F32, I32
 TWO_PI = 2.0 * math.pi
 
 
+def angle_rate(angles):
+    """π·tanh(angles): the RoPE angle per unit of DT from the op's raw (pre-tanh) angles, any shape."""
+    return math.pi * jnp.tanh(angles)
+
+
+def angle_rate_and_slope(angles):
+    """(π·tanh(a), d(π·tanh a)/da = π·(1 − tanh² a)) of raw angles a, float32, a's shape."""
+    t = jnp.tanh(angles)
+    return math.pi * t, math.pi * (1.0 - t * t)
+
+
 def wrap_angle(theta):
     """θ mod 2π into [0, 2π) (floor-mod, like jnp.mod; its derivative is taken as 1)."""
     return theta - TWO_PI * jnp.floor(theta * (1.0 / TWO_PI))

@@ -3,7 +3,7 @@
 What the core computes (everything around it, elementwise or small, is plain JAX in scan.py and
 differentiated by JAX): for the padded operands in the kernel layout of config.py,
 
-    out, S_final = core(Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, gamma, S_0, D)
+    out, S_final = core(Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, S_0, D)
 
   forward   queries_keys.head_queries_keys_kernel -> per-head q, k̃ in the dot operand dtype and
                                                      ⟨q̄, k̄⟩, so skip = D + γ⟨q̄, k̄⟩ is one elementwise
@@ -46,14 +46,15 @@ def kernel_operands(q, k, v, z, adt, skip, s0=None, d_out=None):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def chunked_core(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, gamma, s0, D):
+def chunked_core(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D):
     """The chunked scan on kernel layouts (config.py, layout.py).
 
     Args:
       geo: the static ScanGeometry.
       Q, K: [Bt, Tp, G, Np] in the activation dtype; Q_bias, K_bias: [H, Np] float32.
       scale: [Bt, Tp, H] float32 s = γ + σ̂; dt: [Bt, Tp, H] float32 DT;
-      rate: [Bt, Tp, 1 or H, Sp] float32 π·tanh(angles) (the increment of head h is rate·DT_h) and
+      angles: [Bt, Tp, 1 or H, Sp] float32 the op's raw angles (the increment of head h is
+        π·tanh(angles)·DT_h, formed inside the query/key kernels) and
         theta_entry: [Bt, nc, H, Sp] float32 wrapped angle entering each chunk, or both None (no angles).
       v: [Bt, Tp, H, Pp]; z: [Bt, Tp, H, Pp] or None.
       adt, gamma: [Bt, Tp, H] float32 (ADT; γ = λ·DT, the weight of ⟨q̄, k̄⟩ in skip = D + γ⟨q̄, k̄⟩).
@@ -63,7 +64,7 @@ def chunked_core(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt, theta
     Returns:
       (out [Bt, Tp, H, Pp] in v.dtype, final state [Bt, H, Pp, Np] float32).
     """
-    out, final, _ = _forward(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, gamma, s0, D)
+    out, final, _ = _forward(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D)
     return out, final
 
 
@@ -72,33 +73,33 @@ def skip_term(D, gamma, diagonal):
     return D.astype(F32) + gamma * diagonal
 
 
-def _forward(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, gamma, s0, D, *, for_backward=False):
-    q, k, theta, diagonal = head_queries_keys_kernel(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry)
+def _forward(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D, *, for_backward=False):
+    q, k, theta, diagonal = head_queries_keys_kernel(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry)
     ops = kernel_operands(q, k, v, z, adt, skip_term(D, gamma, diagonal), s0=s0)
     entering, final = state_passes.forward_state_pass(geo, ops)
     out, stored = chunk_forward.chunk_outputs(geo, ops, entering, for_backward=for_backward)
     return out, final, (q, k, theta, diagonal, entering, stored)
 
 
-def _core_fwd(geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, gamma, s0, D):
+def _core_fwd(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D):
     out, final, (q, k, theta, diagonal, entering, stored) = _forward(
-        geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry, v, z, adt, gamma, s0, D, for_backward=True)
-    return (out, final), (Q, K, Q_bias, K_bias, scale, rate, dt, theta, q, k, v, z, adt, gamma, D, diagonal,
+        geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D, for_backward=True)
+    return (out, final), (Q, K, Q_bias, K_bias, scale, angles, dt, theta, q, k, v, z, adt, gamma, D, diagonal,
                           entering, stored)
 
 
 def _core_bwd(geo, residuals, cotangents):
-    Q, K, Q_bias, K_bias, scale, rate, dt, theta, q, k, v, z, adt, gamma, D, diagonal, entering, stored = residuals
+    Q, K, Q_bias, K_bias, scale, angles, dt, theta, q, k, v, z, adt, gamma, D, diagonal, entering, stored = residuals
     d_out, d_final = cotangents
     ops = dict(kernel_operands(q, k, v, z, adt, skip_term(D, gamma, diagonal), d_out=d_out.astype(v.dtype)),
                **stored)
     leaving, d_initial = state_passes.adjoint_state_pass(geo, ops, d_final.astype(F32))
     g = chunk_backward.chunk_gradients(geo, ops, entering, leaving)
     d_skip = g["d_skip"]
-    dQ, dK, dQ_bias, dK_bias, d_scale, d_rate, d_dt, d_entry = query_key_gradients(
-        geo, Q, K, Q_bias, K_bias, scale, rate, dt, theta, g["dq"], g["dk"], d_diagonal=d_skip * gamma)
+    dQ, dK, dQ_bias, dK_bias, d_scale, d_angles, d_dt, d_entry = query_key_gradients(
+        geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta, g["dq"], g["dk"], d_diagonal=d_skip * gamma)
     d_D = jnp.sum(d_skip, axis=(0, 1))
-    return (dQ.astype(Q.dtype), dK.astype(K.dtype), dQ_bias, dK_bias, d_scale, d_rate, d_dt, d_entry, g["dv"],
+    return (dQ.astype(Q.dtype), dK.astype(K.dtype), dQ_bias, dK_bias, d_scale, d_angles, d_dt, d_entry, g["dv"],
             g.get("dz"), g["d_adt"], d_skip * diagonal, d_initial, d_D)
 
 

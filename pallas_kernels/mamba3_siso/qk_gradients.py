@@ -14,10 +14,11 @@ dθ gets nothing from it)
 
 and, with θ_t = (θ_entry + Σ_{r <= t in the chunk} inc_r) mod 2π (written by the forward kernel, so
 only the reverse prefix sum is formed here), d inc_t = Σ_{t' >= t in the chunk} dθ_t' and
-dθ_entry = Σ_{chunk} dθ. The increments are inc_h = rate·DT_h, so the kernel returns their two
-factors' gradients, d DT_h = ⟨d inc_h, rate⟩ and d rate = Σ_h d inc_h·DT_h (summed over the slice's
-heads when the rate is shared by the heads, per head otherwise): d inc itself ([Bt, T, H, S]
-float32) is never written.
+dθ_entry = Σ_{chunk} dθ. The increments are inc_h = rate·DT_h with rate = π·tanh(angles) of the op's
+raw angles (formed here from the angles, as in the forward kernel), so the kernel returns
+d DT_h = ⟨d inc_h, rate⟩ and d angles = π(1 − tanh² angles)·Σ_h d inc_h·DT_h (summed over the slice's
+heads when the angles are shared by the heads, per head otherwise): neither d inc ([Bt, T, H, S]
+float32) nor d rate is written.
 
 XLA's autodiff of queries_keys.head_queries_keys took ~1.25 ms for this at the benchmark shape (docs/performance.md) (several
 passes over the 400 MB of float32 per-head gradients). Here one program per (batch row, block of
@@ -27,7 +28,7 @@ odd pieces of the kernel layout, loaded as column blocks of the refs.
 
 A block is a chunk, or with Mamba3ScanConfig.qk_grad_blocks > 1 a power-of-two share of its rows
 (fewer registers per program, more programs): the reverse sum of dθ then runs within the block, and
-XLA adds the totals of the chunk's later blocks to d DT and d rate afterwards (`_add_later_blocks`).
+XLA adds the totals of the chunk's later blocks to d DT and d angles afterwards (`_add_later_blocks`).
 
 Outputs per program: the slice's share of the dQ, dK rows, ds and dθ per head, and the block's share
 of the bias gradients and of dθ_entry (the shares are summed by XLA in a fixed order: deterministic,
@@ -44,29 +45,30 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common.dtypes import F32
 from pallas_kernels.mamba3_siso import layout
-from pallas_kernels.mamba3_siso.chunk_math import angle_gradient, reverse_cumsum, rotate_back
+from pallas_kernels.mamba3_siso.chunk_math import angle_gradient, angle_rate_and_slope, reverse_cumsum, rotate_back
 from pallas_kernels.mamba3_siso.config import ScanGeometry
-from pallas_kernels.mamba3_siso.queries_keys import rate_operand
+from pallas_kernels.mamba3_siso.queries_keys import angles_operand
 
 
-def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt, theta, dq, dk, d_diagonal=None):
+def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, dt, theta, dq, dk, d_diagonal=None):
     """Args (kernel layout, config.py):
       Q, K: [Bt, Tp, G, Np] activation dtype; Q_bias, K_bias: [H, Np] float32; scale: [Bt, Tp, H] float32;
-      rate: [Bt, Tp, 1 or H, Sp], dt: [Bt, Tp, H] and theta: [Bt, Tp, H, Sp] float32 (the increments'
-        factors, as for queries_keys.head_queries_keys_kernel, and the wrapped angle at every position,
-        the forward kernel's or queries_keys.position_angles), or all None (no angles);
+      angles: [Bt, Tp, 1 or H, Sp], dt: [Bt, Tp, H] and theta: [Bt, Tp, H, Sp] float32 (the op's raw
+        angles and DT, as for queries_keys.head_queries_keys_kernel, and the wrapped angle at every
+        position, the forward kernel's or queries_keys.position_angles), or all None (no angles);
       dq, dk: [Bt, Tp, H, Np] gradients of q, k̃ (float32, or the dot operand dtype: read as float32).
       d_diagonal: [Bt, Tp, H] float32 gradient of ⟨q̄_h, k̄_h⟩ (queries_keys.head_diagonal), or None (no
         such term): adds d_diagonal·k̄_h to dx̄_h and d_diagonal·q̄_h to dȳ_h, hence to dQ, dK and the biases.
 
     Returns:
       (dQ, dK [Bt, Tp, G, Np] float32, dQ_bias, dK_bias [H, Np] float32, d_scale [Bt, Tp, H] float32,
-       d_rate (rate's shape), d_dt [Bt, Tp, H] and d_theta_entry [Bt, nc, H, Sp] float32, or all three None).
+       d_angles (angles' shape), d_dt [Bt, Tp, H] and d_theta_entry [Bt, nc, H, Sp] float32, or all three
+       None).
     """
     grid = layout.GroupGrid(geo, rows=geo.qk_grad_rows)
     pieces = geo.pieces
     rotated = theta is not None
-    shared_rate = rotated and rate.shape[2] == 1
+    shared_rate = rotated and angles.shape[2] == 1
     with_diagonal = d_diagonal is not None
 
     def body(refs):
@@ -80,7 +82,7 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt
 
         q_rows = {n: load(refs["Q"], n) for n, _, _ in pieces}
         k_rows = {n: load(refs["K"], n) for n, _, _ in pieces}
-        shared = refs["rate"][...] if shared_rate else None                                  # [L, Sp]
+        shared = angle_rate_and_slope(refs["angles"][...]) if shared_rate else None          # 2 × [L, Sp]
 
         def head_step(j, sums):
             dq_sum, dk_sum, d_rate_sum = sums
@@ -114,12 +116,12 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt
                 d_inc = (reverse_cumsum(d_angle, axis=0, by_matmul=True) if geo.angle_sums_by_matmul
                          else block_total[None, :] - jnp.cumsum(d_angle, axis=0) + d_angle)    # [rows, Sp]
                 dt_j = refs["dt"][:, j]
-                rate_j = shared if shared_rate else refs["rate"][:, j, :]
+                rate_j, slope_j = shared if shared_rate else angle_rate_and_slope(refs["angles"][:, j, :])
                 refs["d_dt"][:, j] = jnp.sum(d_inc * rate_j, axis=1)
                 if shared_rate:
                     d_rate_sum = d_rate_sum + d_inc * dt_j[:, None]
                 else:
-                    refs["d_rate"][:, j, :] = d_inc * dt_j[:, None]
+                    refs["d_angles"][:, j, :] = d_inc * dt_j[:, None] * slope_j
                 refs["d_theta_entry"][j, :] = block_total
             return dq_sum, dk_sum, d_rate_sum
 
@@ -128,7 +130,7 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt
         dq_sum, dk_sum, d_rate_sum = jax.lax.fori_loop(0, grid.heads_per_slice, head_step,
                                                        (zeros, dict(zeros), rate_zeros))
         if shared_rate:
-            refs["d_rate"][...] = d_rate_sum
+            refs["d_angles"][...] = d_rate_sum * shared[1]
         for n, start, width in pieces:
             refs["dQ"][:, pl.ds(start, width)] = dq_sum[n]
             refs["dK"][:, pl.ds(start, width)] = dk_sum[n]
@@ -145,7 +147,7 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt
               ("d_diagonal", None if d_diagonal is None else grid.per_head(d_diagonal.astype(F32)),
                grid.head_scalars())]
     if rotated:
-        inputs += [rate_operand(grid, rate), ("dt", grid.per_head(dt), grid.head_scalars())]
+        inputs += [angles_operand(grid, angles), ("dt", grid.per_head(dt), grid.head_scalars())]
     nc, nb = geo.n_chunks, grid.blocks // geo.n_chunks
     partials = jax.ShapeDtypeStruct((bsz, grid.blocks) + slices + (Np,), F32)
     slice_sums = jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Np), F32)
@@ -153,41 +155,42 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt
                ("dqb", partials, grid.per_chunk(Np)), ("dkb", partials, grid.per_chunk(Np)),
                ("d_scale", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars())]
     if rotated:
-        d_rate = ((jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Sp), F32), grid.slice_rows(Sp)) if shared_rate
-                  else (jax.ShapeDtypeStruct((bsz, Tp) + slices + (Sp,), F32), grid.head_rows(Sp)))
-        outputs += [("d_rate",) + d_rate,
+        d_angles = ((jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Sp), F32), grid.slice_rows(Sp)) if shared_rate
+                    else (jax.ShapeDtypeStruct((bsz, Tp) + slices + (Sp,), F32), grid.head_rows(Sp)))
+        outputs += [("d_angles",) + d_angles,
                     ("d_dt", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars()),
                     ("d_theta_entry", jax.ShapeDtypeStruct((bsz, grid.blocks) + slices + (Sp,), F32),
                      grid.per_chunk(Sp))]
     out = layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients",
                         geo.config.num_warps_qk_grad)
-    d_rate = d_dt = d_entry = None
+    d_angles = d_dt = d_entry = None
     if rotated:
-        d_rate = (out["d_rate"].sum(axis=(2, 3))[:, :, None] if shared_rate
-                  else out["d_rate"].reshape(bsz, Tp, H, Sp))
+        d_angles = (out["d_angles"].sum(axis=(2, 3))[:, :, None] if shared_rate
+                    else out["d_angles"].reshape(bsz, Tp, H, Sp))
         d_dt = out["d_dt"].reshape(bsz, Tp, H)
         totals = out["d_theta_entry"].reshape(bsz, nc, nb, H, Sp)          # Σ dθ over each block
         if nb > 1:
-            d_rate, d_dt = _add_later_blocks(grid, totals, rate, dt, d_rate, d_dt)
+            d_angles, d_dt = _add_later_blocks(grid, totals, angles, dt, d_angles, d_dt)
         d_entry = totals.sum(axis=2)
     return (out["dQ"].sum(axis=3), out["dK"].sum(axis=3),
             out["dqb"].sum(axis=(0, 1)).reshape(H, Np), out["dkb"].sum(axis=(0, 1)).reshape(H, Np),
-            out["d_scale"].reshape(bsz, Tp, H), d_rate, d_dt, d_entry)
+            out["d_scale"].reshape(bsz, Tp, H), d_angles, d_dt, d_entry)
 
 
-def _add_later_blocks(grid: layout.GroupGrid, totals, rate, dt, d_rate, d_dt):
+def _add_later_blocks(grid: layout.GroupGrid, totals, angles, dt, d_angles, d_dt):
     """With a chunk cut into blocks, the kernel's d inc at a position is the reverse sum within its
     block only; the blocks after it in the chunk add their totals ("later", [Bt, blocks, H, Sp]) to
-    every position of it, hence to d DT = ⟨d inc, rate⟩ and d rate = Σ d inc·DT (all float32,
-    elementwise products and sums: no dot, so no TF32)."""
+    every position of it, hence to d DT = ⟨d inc, rate⟩ and d angles = π(1 − tanh² angles)·Σ d inc·DT
+    (all float32, elementwise products and sums: no dot, so no TF32)."""
     bsz, nc, nb, H, Sp = totals.shape
     rows, Tp = grid.block_rows, nc * nb * grid.block_rows
     later = (jnp.cumsum(totals[:, :, ::-1], axis=2)[:, :, ::-1] - totals).reshape(bsz, nc * nb, 1, H, Sp)
-    rate_b = rate.reshape(bsz, nc * nb, rows, rate.shape[2], Sp)
+    rate, slope = angle_rate_and_slope(angles)
+    rate_b = rate.reshape(bsz, nc * nb, rows, angles.shape[2], Sp)
     dt_b = dt.reshape(bsz, nc * nb, rows, H, 1)
     d_dt = d_dt + jnp.sum(rate_b * later, axis=-1).reshape(bsz, Tp, H)
-    if rate.shape[2] == 1:
-        d_rate = d_rate + jnp.sum(later * dt_b, axis=3).reshape(bsz, Tp, 1, Sp)
+    if angles.shape[2] == 1:
+        d_angles = d_angles + jnp.sum(later * dt_b, axis=3).reshape(bsz, Tp, 1, Sp) * slope
     else:
-        d_rate = d_rate + (later * dt_b).reshape(bsz, Tp, H, Sp)
-    return d_rate, d_dt
+        d_angles = d_angles + (later * dt_b).reshape(bsz, Tp, H, Sp) * slope
+    return d_angles, d_dt

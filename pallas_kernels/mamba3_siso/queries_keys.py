@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.common.dtypes import F32
 from pallas_kernels.common.padding import pad_axis_to
 from pallas_kernels.mamba3_siso import layout
-from pallas_kernels.mamba3_siso.chunk_math import chunk_angles, rotate
+from pallas_kernels.mamba3_siso.chunk_math import angle_rate, chunk_angles, rotate
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 
 
@@ -96,12 +96,12 @@ def head_queries_keys(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta):
     return per_head(Q, Q_bias), per_head(K, K_bias) * scale[..., None]
 
 
-def rate_operand(grid: layout.GroupGrid, rate):
-    """("rate", array, BlockSpec): shared rates [Bt, Tp, 1, Sp] as one [L, Sp] block per program, per-head
-    rates [Bt, Tp, H, Sp] as the slice's [L, heads per slice, Sp] block."""
-    if rate.shape[2] == 1:
-        return "rate", rate[:, :, 0], grid.shared_rows(rate.shape[-1])
-    return "rate", grid.per_head(rate), grid.head_rows(rate.shape[-1])
+def angles_operand(grid: layout.GroupGrid, angles):
+    """("angles", array, BlockSpec): raw angles shared by the heads [Bt, Tp, 1, Sp] as one [L, Sp] block
+    per program, per-head angles [Bt, Tp, H, Sp] as the slice's [L, heads per slice, Sp] block."""
+    if angles.shape[2] == 1:
+        return "angles", angles[:, :, 0], grid.shared_rows(angles.shape[-1])
+    return "angles", grid.per_head(angles), grid.head_rows(angles.shape[-1])
 
 
 def head_diagonal(geo: ScanGeometry, Q, K, Q_bias, K_bias):
@@ -114,14 +114,15 @@ def head_diagonal(geo: ScanGeometry, Q, K, Q_bias, K_bias):
     return jnp.sum(q * k, axis=-1)
 
 
-def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rate, dt, theta_entry):
-    """Pallas version of `head_queries_keys` at θ = `position_angles(rate·dt, theta_entry)`, rounded to
+def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry):
+    """Pallas version of `head_queries_keys` at θ = `position_angles(π·tanh(angles)·dt, theta_entry)`, rounded to
     the dot operand dtype, and of `head_diagonal`: (q, k̃ [Bt, Tp, H, Np], θ [Bt, Tp, H, Sp] float32 or
     None, ⟨q̄, k̄⟩ [Bt, Tp, H] float32 — the skip term's inner product, from the biased rows the kernel
     forms anyway, so the op's glue needs no [Bt, T, G, N] × [H, N] products of its own).
 
-    rate: [Bt, Tp, 1 or H, Sp] π·tanh(angles) (1: shared by the heads), dt: [Bt, Tp, H] DT (the
-    increment of head h is rate·DT_h, formed here) and theta_entry: [Bt, nc, H, Sp] angles entering
+    angles: [Bt, Tp, 1 or H, Sp] the op's raw angles (1: shared by the heads), dt: [Bt, Tp, H] DT (the
+    increment of head h is π·tanh(angles)·DT_h, formed here: no rate array is materialized between
+    XLA and the kernel) and theta_entry: [Bt, nc, H, Sp] angles entering
     each chunk (float32, zero-padded from S to Sp), or all None (no angles); the other arguments as
     for `head_queries_keys`. θ, the wrapped angle at every position, is written for the backward
     (qk_gradients.py), which then needs no in-chunk prefix sum of its own.
@@ -130,17 +131,17 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rat
     pieces = geo.pieces
     mm = jnp.dtype(geo.matmul_dtype)
 
-    rotated = rate is not None
-    shared_rate = rotated and rate.shape[2] == 1
+    rotated = angles is not None
+    shared_rate = rotated and angles.shape[2] == 1
 
     def body(refs):
         rows = {p: {n: refs[p][:, pl.ds(start, width)].astype(F32) for n, start, width in pieces} for p in "QK"}
-        shared = refs["rate"][...] if shared_rate else None                                  # [L, Sp]
+        shared = angle_rate(refs["angles"][...]) if shared_rate else None                     # [L, Sp]
 
         def head_step(j, carry):
             rotation = None
             if rotated:
-                rate_j = shared if shared_rate else refs["rate"][:, j, :]
+                rate_j = shared if shared_rate else angle_rate(refs["angles"][:, j, :])
                 angle = chunk_angles(rate_j * refs["dt"][:, j][:, None], refs["theta_entry"][j, :],
                                      by_matmul=geo.angle_sums_by_matmul)
                 refs["theta"][:, j, :] = angle
@@ -169,7 +170,7 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, rat
               ("scale", grid.per_head(scale), grid.head_scalars()),
               ("theta_entry", None if not rotated else grid.per_head(theta_entry), grid.per_chunk(geo.angle_width))]
     if rotated:
-        inputs += [rate_operand(grid, rate), ("dt", grid.per_head(dt), grid.head_scalars())]
+        inputs += [angles_operand(grid, angles), ("dt", grid.per_head(dt), grid.head_scalars())]
     per_head = jax.ShapeDtypeStruct((bsz, Tp) + slices, mm)
     outputs = [("q", per_head, grid.head_rows(Np)), ("k", per_head, grid.head_rows(Np)),
                ("diagonal", jax.ShapeDtypeStruct((bsz, Tp) + slices[:-1], F32), grid.head_scalars())]

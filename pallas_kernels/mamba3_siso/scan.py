@@ -1,19 +1,19 @@
 """The Pallas Mamba-3 SISO scan on prepared operands: layout, chunk-entry angles, the chunked core.
 
-`chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, rate, dt, angle0, s0, Z, *, chunk_size)`
+`chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, dt, angle0, s0, Z, *, chunk_size)`
 -> (out [Bt, T, H, P] in V.dtype, ssm_final [Bt, H, P, N] float32, θ_final [Bt, H, S] float32),
 differentiable w.r.t. every array argument. The per-position preprocessing that turns the op's
-arguments into these operands (the trapezoid weights, the skip term, the angle increments, the
-entering state) is shared with the XLA implementation and lives with the op
+arguments into these operands (the trapezoid weights, the skip term, the entering state) is shared with the XLA implementation and lives with the op
 (jmamba/ops/mamba3_siso_scan/pallas.py and common.py), so JAX differentiates it; only the chunked
 core (core.py: one custom_vjp around four kernels forward and four to six backward, the query/key
 kernels of queries_keys.py and qk_gradients.py included) is hand-differentiated (docs/mamba3_siso.md §4).
 
   operands       s = γ + σ̂ [Bt, T, H] (key scale), γ [Bt, T, H] and D [H] (the skip term
                  D + γ⟨q̄, k̄⟩ is formed inside the core, ⟨q̄, k̄⟩ by the query/key kernel),
-                 rate = π·tanh(Angles) [Bt, T, 1 or H, S] (None when S = 0) and DT [Bt, T, H], whose
-                 product inc = rate·DT is the per-head angle increment (formed inside the
-                 kernels, never as a [Bt, T, H, S] array), θ_{-1} [Bt, H, S],
+                 the raw Angles [Bt, T, 1 or H, S] (None when S = 0) and DT [Bt, T, H]: the
+                 per-head angle increment inc = π·tanh(Angles)·DT is formed inside the kernels
+                 (neither it nor the rate π·tanh(Angles) is ever a [Bt, T, H, S] array in HBM;
+                 the chunk sums below fuse the tanh into their reduction), θ_{-1} [Bt, H, S],
                  S_0 = h_{-1} + DT_0(1 − λ_0)·v_{-1}k_{-1}ᵀ [Bt, H, P, N] (the β_0 term folded in)
   per chunk      the angle entering each chunk: a triangular matmul over the wrapped chunk sums of
                  inc, wrapped again (chunk_entry_angles); the query/key kernels form the angle at
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.common.dtypes import F32, is_sixteen_bit_float
 from pallas_kernels.common.padding import pad_axis_to
-from pallas_kernels.mamba3_siso.chunk_math import TWO_PI
+from pallas_kernels.mamba3_siso.chunk_math import TWO_PI, angle_rate
 from pallas_kernels.mamba3_siso.config import Mamba3ScanConfig, ScanGeometry, make_geometry
 from pallas_kernels.mamba3_siso.core import chunked_core
 from pallas_kernels.mamba3_siso.queries_keys import from_kernel_layout, to_kernel_layout
@@ -52,15 +52,15 @@ def matmul_dtype(Q, K, V):
     return jnp.dtype(F32)
 
 
-def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, rate, dt, angle0, s0, Z, *, chunk_size,
+def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, dt, angle0, s0, Z, *, chunk_size,
                  config: Mamba3ScanConfig | None = None, interpret: bool = False):
     """Chunked Pallas Mamba-3 SISO scan on prepared operands.
 
     Args:
       Q, K: [Bt, T, G, N] (unrotated, before the biases); V: [Bt, T, H, P]; Q_bias, K_bias: [H, N].
       scale, gamma, ADT: [Bt, T, H] float32 (see the module docstring); D: [H] skip weight or None.
-      rate: [Bt, T, 1 or H, S] float32 π·tanh(Angles) (1: shared by the heads), or None when S = 0;
-      dt: [Bt, T, H] float32 DT (the increment of head h is rate·DT_h; unused when S = 0).
+      angles: [Bt, T, 1 or H, S] the op's raw (pre-tanh) Angles (1: shared by the heads), or None when
+        S = 0; dt: [Bt, T, H] float32 DT (the increment of head h is π·tanh(angles)·DT_h; unused when S = 0).
       angle0: [Bt, H, S] the entering angle; s0: [Bt, H, P, N] the entering (augmented) state.
       Z: [Bt, T, H, P] gate or None.
       chunk_size: requested chunk length (rounded by config.chunk_length).
@@ -80,16 +80,16 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, rate, dt, angle0
     theta_final = angle0
     if S:
         dt = _pad_time(geo, dt.astype(F32))                                  # [Bt, Tp, H]
-        rate = _pad_time(geo, rate.astype(F32))
-        theta_entry, theta_final = chunk_entry_angles(geo, rate, dt, angle0)
-        rate = pad_axis_to(rate, 3, geo.angle_width)                         # [Bt, Tp, 1 or H, Sp]
+        angles = _pad_time(geo, angles.astype(F32))                          # zero padding: tanh(0) = 0
+        theta_entry, theta_final = chunk_entry_angles(geo, angle_rate(angles), dt, angle0)
+        angles = pad_axis_to(angles, 3, geo.angle_width)                     # [Bt, Tp, 1 or H, Sp]
         theta_entry = pad_axis_to(theta_entry, 3, geo.angle_width)          # [Bt, nc, H, Sp]
     else:
-        rate = dt = None
+        angles = dt = None
     core_args = (
         to_kernel_layout(geo, _pad_time(geo, Q)), to_kernel_layout(geo, _pad_time(geo, K)),
         to_kernel_layout(geo, Q_bias.astype(F32)), to_kernel_layout(geo, K_bias.astype(F32)),
-        _pad_time(geo, scale), rate, dt, theta_entry,
+        _pad_time(geo, scale), angles, dt, theta_entry,
         _pad_headdim(geo, _pad_time(geo, V)), None if Z is None else _pad_headdim(geo, _pad_time(geo, Z)),
         _pad_time(geo, ADT.astype(F32)), _pad_time(geo, gamma.astype(F32)),   # zero padding: ADT = 0 is the identity decay
         _pad_headdim(geo, to_kernel_layout(geo, s0), axis=2),
@@ -101,7 +101,8 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, rate, dt, angle0
 def chunk_entry_angles(geo: ScanGeometry, rate, dt, angle0):
     """(θ entering each chunk [Bt, nc, H, S], final θ [Bt, H, S]), wrapped into [0, 2π).
 
-    rate [Bt, Tp, 1 or H, S], dt [Bt, Tp, H] (time-padded with zeros): the increments are rate·dt.
+    rate [Bt, Tp, 1 or H, S] = π·tanh(angles), dt [Bt, Tp, H] (time-padded with zeros): the increments
+    are rate·dt (XLA fuses the tanh into the chunk sums: the rate is not materialized).
     Each chunk's sum of increments (a contraction over the chunk's positions, float32
     Precision.HIGHEST: no [Bt, T, H, S] array) is wrapped first (so every term is in [0, 2π)), then one
     triangular matmul (float32, Precision.HIGHEST) forms the exclusive prefix sums over chunks, which

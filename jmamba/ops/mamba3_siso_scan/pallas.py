@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jmamba.core.validation import shape_of
 from jmamba.ops.mamba3_siso_scan.common import (
-    Mamba3ScanState, Mamba3ScanTuning, angle_rate, entering_ssm, expand_groups, rotate_pairs,
+    Mamba3ScanState, Mamba3ScanTuning, entering_ssm, expand_groups, rotate_pairs,
     trapezoid_weights)
 from jmamba.ops.pallas_platform import interpret_mode, triton_platform_reason
 
@@ -59,9 +59,9 @@ def mamba3_siso_scan_pallas(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, z
 
     The per-position work is done here in float32 with the helpers the XLA implementation uses
     (common.py), and differentiated by JAX: the trapezoid weights (s = γ + σ̂; the skip term
-    D + γ⟨q̄, k̄⟩ is formed in the kernels' core, ⟨q̄, k̄⟩ by the query/key kernel), the angle rates
-    π·tanh(Angles) (the kernels form the per-head increments rate·DT), the entering state with the
-    β_0 term folded in, and the final key R(θ_{T-1})(K_{T-1} + K_bias).
+    D + γ⟨q̄, k̄⟩ is formed in the kernels' core, ⟨q̄, k̄⟩ by the query/key kernel), the entering state with the
+    β_0 term folded in, and the final key R(θ_{T-1})(K_{T-1} + K_bias). The raw Angles go to the
+    kernels, which form the increments π·tanh(Angles)·DT themselves.
     `tuning`: a `Mamba3ScanTuning` (its chunk_size and pallas_config, a Mamba3ScanConfig or None).
     """
     from pallas_kernels.mamba3_siso import chunked_scan
@@ -78,8 +78,8 @@ def mamba3_siso_scan_pallas(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, z
     else:
         state = Mamba3ScanState(*(x.astype(F32) for x in initial_state))
         angle0, s0 = state.angle, entering_ssm(state, prev_weight[:, 0])
-    rate = angle_rate(Angles.astype(F32)) if S else None          # [Bt, T, 1 or H, S]: × DT inside the kernels
-    out, ssm, theta = chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, rate, DT.astype(F32), angle0, s0, z,
+    angles = Angles.astype(F32) if S else None     # [Bt, T, 1 or H, S] raw: π·tanh(angles)·DT inside the kernels
+    out, ssm, theta = chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, DT.astype(F32), angle0, s0, z,
                                    chunk_size=tuning.chunk_size, config=tuning.pallas_config,
                                    interpret=interpret_mode())
     k_last = expand_groups(K[:, T - 1].astype(F32), H) + K_bias.astype(F32)            # [Bt, H, N]
