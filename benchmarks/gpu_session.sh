@@ -99,7 +99,7 @@ for s in $stages; do case $s in
   e2e1)        run e2e_mamba1 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas,xla --optimizer $OPT --steps 5 --warmup 2 ;;
   e2e3)        run e2e_mamba3 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas,xla --optimizer $OPT --steps 5 --warmup 2 ;;
   e2e1_old)    PYTHONPATH=$PWD/.old run e2e_mamba1_old 130 python3 .old/benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 ;;
-  e2e3_old)    PYTHONPATH=$PWD/.old run e2e_mamba3_old 130 python3 .old/benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 ;;
+  e2e3_old)    PYTHONPATH=$PWD/.old run e2e_mamba3_old 130 python3 .old/benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 ;;
   remat1)      run e2e_mamba1_remat_layer 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --remat layer ;
                run e2e_mamba1_remat_dots 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --remat dots ;;
   noguard1)    run e2e_mamba1_noguard 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --no-guard ;;
