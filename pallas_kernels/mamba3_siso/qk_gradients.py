@@ -68,7 +68,7 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
     grid = layout.GroupGrid(geo, rows=geo.qk_grad_rows)
     pieces = geo.pieces
     rotated = theta is not None
-    shared_rate = rotated and angles.shape[2] == 1
+    shared_angles = rotated and angles.shape[2] == 1
     with_diagonal = d_diagonal is not None
 
     def body(refs):
@@ -82,7 +82,7 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
 
         q_rows = {n: load(refs["Q"], n) for n, _, _ in pieces}
         k_rows = {n: load(refs["K"], n) for n, _, _ in pieces}
-        shared = angle_rate_and_slope(refs["angles"][...]) if shared_rate else None          # 2 × [L, Sp]
+        shared = angle_rate_and_slope(refs["angles"][...]) if shared_angles else None          # 2 × [L, Sp]
 
         def head_step(j, sums):
             dq_sum, dk_sum, d_rate_sum = sums
@@ -116,9 +116,9 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
                 d_inc = (reverse_cumsum(d_angle, axis=0, by_matmul=True) if geo.angle_sums_by_matmul
                          else block_total[None, :] - jnp.cumsum(d_angle, axis=0) + d_angle)    # [rows, Sp]
                 dt_j = refs["dt"][:, j]
-                rate_j, slope_j = shared if shared_rate else angle_rate_and_slope(refs["angles"][:, j, :])
+                rate_j, slope_j = shared if shared_angles else angle_rate_and_slope(refs["angles"][:, j, :])
                 refs["d_dt"][:, j] = jnp.sum(d_inc * rate_j, axis=1)
-                if shared_rate:
+                if shared_angles:
                     d_rate_sum = d_rate_sum + d_inc * dt_j[:, None]
                 else:
                     refs["d_angles"][:, j, :] = d_inc * dt_j[:, None] * slope_j
@@ -126,10 +126,10 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
             return dq_sum, dk_sum, d_rate_sum
 
         zeros = {n: jnp.zeros((grid.block_rows, w), F32) for n, _, w in pieces}
-        rate_zeros = jnp.zeros((grid.block_rows, geo.angle_width), F32) if shared_rate else None
+        rate_zeros = jnp.zeros((grid.block_rows, geo.angle_width), F32) if shared_angles else None
         dq_sum, dk_sum, d_rate_sum = jax.lax.fori_loop(0, grid.heads_per_slice, head_step,
                                                        (zeros, dict(zeros), rate_zeros))
-        if shared_rate:
+        if shared_angles:
             refs["d_angles"][...] = d_rate_sum * shared[1]
         for n, start, width in pieces:
             refs["dQ"][:, pl.ds(start, width)] = dq_sum[n]
@@ -155,7 +155,7 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
                ("dqb", partials, grid.per_chunk(Np)), ("dkb", partials, grid.per_chunk(Np)),
                ("d_scale", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars())]
     if rotated:
-        d_angles = ((jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Sp), F32), grid.slice_rows(Sp)) if shared_rate
+        d_angles = ((jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Sp), F32), grid.slice_rows(Sp)) if shared_angles
                     else (jax.ShapeDtypeStruct((bsz, Tp) + slices + (Sp,), F32), grid.head_rows(Sp)))
         outputs += [("d_angles",) + d_angles,
                     ("d_dt", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars()),
@@ -165,7 +165,7 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
                         geo.config.num_warps_qk_grad)
     d_angles = d_dt = d_entry = None
     if rotated:
-        d_angles = (out["d_angles"].sum(axis=(2, 3))[:, :, None] if shared_rate
+        d_angles = (out["d_angles"].sum(axis=(2, 3))[:, :, None] if shared_angles
                     else out["d_angles"].reshape(bsz, Tp, H, Sp))
         d_dt = out["d_dt"].reshape(bsz, Tp, H)
         totals = out["d_theta_entry"].reshape(bsz, nc, nb, H, Sp)          # Σ dθ over each block

@@ -132,16 +132,16 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, ang
     mm = jnp.dtype(geo.matmul_dtype)
 
     rotated = angles is not None
-    shared_rate = rotated and angles.shape[2] == 1
+    shared_angles = rotated and angles.shape[2] == 1
 
     def body(refs):
         rows = {p: {n: refs[p][:, pl.ds(start, width)].astype(F32) for n, start, width in pieces} for p in "QK"}
-        shared = angle_rate(refs["angles"][...]) if shared_rate else None                     # [L, Sp]
+        shared = angle_rate(refs["angles"][...]) if shared_angles else None                     # [L, Sp]
 
         def head_step(j, carry):
             rotation = None
             if rotated:
-                rate_j = shared if shared_rate else angle_rate(refs["angles"][:, j, :])
+                rate_j = shared if shared_angles else angle_rate(refs["angles"][:, j, :])
                 angle = chunk_angles(rate_j * refs["dt"][:, j][:, None], refs["theta_entry"][j, :],
                                      by_matmul=geo.angle_sums_by_matmul)
                 refs["theta"][:, j, :] = angle
