@@ -85,7 +85,13 @@ ADT = [DEFAULT_CONFIG, dataclasses.replace(DEFAULT_CONFIG, adt_in_values=False),
        dataclasses.replace(DEFAULT_CONFIG, stored_for_keys=True),
        dataclasses.replace(DEFAULT_CONFIG, keys_with_queries=True),
        dataclasses.replace(DEFAULT_CONFIG, keys_with_queries=True, num_warps_grad=8)]
-SWEEP_SETS = {"all": SWEEP, "stored": [DEFAULT_CONFIG] + SWEEP[-4:], "qk": QK_SWEEP, "qk16": QK16, "adt": ADT}
+# The queries' and keys' gradients rotated back in their chunk launch (session 22) vs the separate
+# query/key gradient kernel, and that launch's warps.
+HEAD = [DEFAULT_CONFIG] + [dataclasses.replace(DEFAULT_CONFIG, rotate_in_chunk_gradients=True, **kw) for kw in (
+    dict(), dict(num_warps_head_grad=8), dict(head_gradient_launches=1, num_warps_head_grad=8),
+    dict(head_gradient_launches=1))]
+SWEEP_SETS = {"all": SWEEP, "stored": [DEFAULT_CONFIG] + SWEEP[-4:], "qk": QK_SWEEP, "qk16": QK16, "adt": ADT,
+              "head": HEAD}
 
 
 def make_args(bsz, T, dims, dtype=jnp.bfloat16, seed=0, per_head_angles=False):

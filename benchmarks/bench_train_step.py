@@ -63,6 +63,8 @@ def parse_args(argv=None):
                    help="sequence parallel: split each sequence's time axis over this many devices (a seq mesh axis)")
     p.add_argument("--fsdp", action="store_true", help="with --devices > 1: shard parameters and optimizer state over data")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON to PATH")
+    p.add_argument("--profile-back-to-back", action="store_true",
+                   help="with --profile: trace the N steps with one sync at the end (the --steady conditions)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, trace N more steps and print per-kernel and per-category device times")
     p.add_argument("--xla-dump", default=None, metavar="DIR",
@@ -117,19 +119,22 @@ def loss_fn(logits, batch):
     return jmamba.next_token_loss(logits, batch)
 
 
-def profile_steps(step, state, batches, n):
+def profile_steps(step, state, batches, n, back_to_back=False):
     """Traces n steps (state threaded through) and prints the per-kernel and per-category device times
-    per step (benchmarks/profile_kernels.py); returns the last state."""
+    per step (benchmarks/profile_kernels.py); returns the last state. back_to_back: one sync after the
+    n steps (the host runs ahead, as in --steady) instead of one per step."""
     from benchmarks.profile_kernels import gap_report, host_during_gaps, report, report_categories, traced_kernel_times
     box = [state]
 
     def run():
         for i in range(n):
             box[0], m = step(box[0], batches[i % 2])
-            jax.block_until_ready((box[0], m))
+            if not back_to_back or i == n - 1:
+                jax.block_until_ready((box[0], m))
     intervals, host = [], []
     totals, wall = traced_kernel_times(run, intervals, host)
-    print(f"\n# per-kernel device time per step ({n} traced steps, wall {wall / n * 1e3:.1f} ms/step traced)")
+    how = "back to back, one sync" if back_to_back else "each synced"
+    print(f"\n# per-kernel device time per step ({n} traced steps, {how}, wall {wall / n * 1e3:.1f} ms/step traced)")
     report_categories(totals, n)
     print()
     report(totals, n, top=40)
@@ -177,7 +182,7 @@ def bench_one(args, lm, impl):
             steady_ms = 1e3 * (time.perf_counter() - t) / args.steady
             print(f"# {impl}: {args.steady} steps back to back (one sync): {steady_ms:.1f} ms/step", flush=True)
         if args.profile:
-            state = profile_steps(step, state, batches, args.profile)
+            state = profile_steps(step, state, batches, args.profile, back_to_back=args.profile_back_to_back)
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.devices()[:args.devices]]
     stats = {"peak_bytes_in_use": max(peaks)}   # the fullest device's peak
     return {"impl": impl, "ms": 1e3 * statistics.median(times), "min": 1e3 * min(times), "max": 1e3 * max(times),

@@ -22,6 +22,8 @@
 #                                                  op sweep at b8t2048 and b32t512, train step with profile;
 #                                                  e2e3_keys: the train step with stored_for_keys too)
 #                                                  m3_qk (the query/key kernels' knobs: op sweep at both shapes)
+#                                                  m3_head m3_head_bench (the rotation in the chunk-gradient launch vs the
+#                                                  query/key gradient kernel: profiles, op sweep)
 #                                                  m3_adt e2e3_adt (dADT in the values vs keys launch, keys+queries in one launch: op sweep, train step)
 #                                                  dispatch (a synchronised op call split: dispatch, wait, pipelined, trivial-jit floor; with and without command buffers)
 #                                                  m3_prof32 (the op's per-kernel profile at B=32 T=512)
@@ -90,6 +92,15 @@ for s in $stages; do case $s in
   m3_dump32h)  XLA_FLAGS="--xla_dump_to=/tmp/hlo_op --xla_dump_hlo_as_text" run m3_profile_b32t512_per_head_angles_dump 90 python3 benchmarks/profile_kernels.py mamba3 --shape b32t512 --iters 5 --per-head-angles ;
                f=$(grep -l "mamba3_siso_bwd_query_key_gradients" /tmp/hlo_op/*after_optimizations.txt 2>/dev/null | head -1); [ -n "$f" ] && gzip -c "$f" > "$OUT/hlo_op_b32t512.txt.gz" && echo "packed $f" ;;
   m3_prof32h_old) PYTHONPATH=$PWD/.old run m3_profile_b32t512_per_head_angles_old 60 python3 .old/benchmarks/profile_kernels.py mamba3 --shape b32t512 --iters 10 --per-head-angles ;;
+  m3_head)     for cfg in "" rotate_in_chunk_gradients=True rotate_in_chunk_gradients=True,num_warps_head_grad=8 rotate_in_chunk_gradients=True,head_gradient_launches=1,num_warps_head_grad=8; do
+                 tag=$(echo "${cfg:-default}" | tr '=,' '__')
+                 run m3_profile_b32t512_per_head_angles_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape b32t512 --iters 10 --per-head-angles ${cfg:+--scan-config $cfg} ; done ;
+               for cfg in "" rotate_in_chunk_gradients=True; do
+                 tag=$(echo "${cfg:-default}" | tr '=,' '__')
+                 run m3_profile_b8t2048_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape b8t2048 --iters 10 ${cfg:+--scan-config $cfg} ; done ;;
+  e2e3_rot)    run e2e_mamba3_rotate_in_chunks 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config rotate_in_chunk_gradients=True ;;
+  m3_head_bench) run m3_bench_head 200 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b8t2048 --sweep --sweep-set head ;
+               run m3_bench_head_b32 200 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b32t512 --sweep --sweep-set head ;;
   m3_prof32)   run m3_profile_b32t512 60 python3 benchmarks/profile_kernels.py mamba3 --shape b32t512 --iters 10 ;;
   m3_tests)    run m3_gpu_tests 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -rA --durations=15 ;;
   m3_profile)  run m3_profile 60 python3 benchmarks/profile_kernels.py mamba3 --iters 10 ;;
@@ -146,6 +157,9 @@ for s in $stages; do case $s in
                pack_hlo /tmp/hlo3 "$OUT/hlo_mamba3.txt.gz" ;;
   conv_bench)  run causal_conv_bench 150 python3 benchmarks/bench_causal_conv.py ;;
   tests_m1)    run gpu_tests_mamba1 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_causal_conv_pallas.py tests/test_mamba1_mixer_core.py tests/test_selective_scan_pallas.py ;;
+  e2e3_b2b_old) cp benchmarks/bench_train_step.py .old/benchmarks/ ;
+               PYTHONPATH=$PWD/.old run e2e_mamba3_profile_b2b_old 170 python3 .old/benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 5 --warmup 2 --steady 10 --profile 6 --profile-back-to-back ;;
+  e2e3_b2b)    run e2e_mamba3_profile_b2b 170 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 5 --warmup 2 --steady 10 --profile 6 --profile-back-to-back ;;
   e2e3_prof)   run e2e_mamba3_profile 170 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --profile 3 ;;
   e2e1_nocb)   XLA_FLAGS="--xla_gpu_enable_command_buffer=" run e2e_mamba1_no_command_buffers 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 ;;
   e2e1_cb)     XLA_FLAGS="--xla_gpu_enable_command_buffer=+CUSTOM_CALL,+CUBLASLT,+CUBLAS,+FUSION --xla_gpu_graph_min_graph_size=1" run e2e_mamba1_more_command_buffers 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 ;;

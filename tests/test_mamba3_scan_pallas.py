@@ -13,6 +13,7 @@ every step's state, ~45 GB of GPU memory per process (two at once ran out of mem
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from unittest import mock
@@ -36,6 +37,8 @@ from pallas_kernels.mamba3_siso import Mamba3ScanConfig
 from pallas_kernels.mamba3_siso.config import chunk_length, make_geometry
 
 STATES = Mamba3ScanState._fields
+# The queries' and keys' gradients rotated back in their chunk launches (head_gradients.py; off by default).
+ROTATE_IN_CHUNKS = Mamba3ScanConfig(rotate_in_chunk_gradients=True)
 # The stored-products defaults off (with one or two gradient launches they are refused).
 NOT_STORED = dict(stored_scores=False, stored_ungated=False)
 # Gradients that sum over (batch, time) or over a whole chunk of terms: compared at twice the tolerance.
@@ -206,6 +209,49 @@ def test_keys_and_queries_in_one_launch_match_reference(with_z, dtype, tol):
     without): every value and cotangent."""
     arrays, states = make_inputs((2, 37, 4, 2, 8, 3, 2), dtype, with_z=with_z, seed=19)
     check_against_reference(arrays, states, 16, tol, Mamba3ScanConfig(keys_with_queries=True))
+
+
+# Shapes whose every kernel-layout piece is at least 16 wide (S = 16 -> even | odd 16 each), so that
+# rotate_in_chunk_gradients (off by default) forms the queries' and keys' gradients and rotates them
+# back in their chunk launches (head_gradients.py); with 8-wide pieces the query/key gradient kernel runs.
+HEAD_GRADIENT_CASES = [
+    # per-head angles, 2 groups of 2 heads, 3 chunks (the last partial), P padded 3 -> 16
+    ("f32-per-head-groups", (2, 37, 4, 2, 64, 3, 16), jnp.float32, False, None, 16, 2e-5),
+    # angles shared by the heads (the model's case), N = 48 (rest 16 + 16 zeros), chunk 32
+    ("bf16-shared", (1, 70, 2, 1, 48, 16, 16), jnp.bfloat16, True, None, 32, 2e-2),
+    # the reverse angle sums by triangular dot, 4 warps
+    ("f32-shared-matmul-sums", (2, 37, 4, 1, 64, 16, 16), jnp.float32, True,
+     dict(angle_sums="matmul", num_warps_head_grad=8), 16, 2e-5),
+    # both sides in one launch
+    ("f32-per-head-one-launch", (2, 37, 4, 2, 64, 3, 16), jnp.float32, False, dict(head_gradient_launches=1), 16, 2e-5),
+    # S = 0: no rotation, only the rest piece
+    ("f32-no-angles", (1, 40, 2, 1, 16, 16, 0), jnp.float32, False, None, 16, 2e-5),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,shared,options,chunk_size,tol", [c[1:] for c in HEAD_GRADIENT_CASES],
+                         ids=[c[0] for c in HEAD_GRADIENT_CASES])
+def test_rotation_in_the_chunk_gradient_launch_matches_reference(shape, dtype, shared, options, chunk_size, tol):
+    """config.rotate_in_chunk_gradients: every value and cotangent."""
+    arrays, states = make_inputs(shape, dtype, seed=21)
+    if shared:
+        arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
+    check_against_reference(arrays, states, chunk_size, tol, dataclasses.replace(ROTATE_IN_CHUNKS, **(options or {})))
+
+
+@pytest.mark.parametrize("N,S,with_z,option,fused", [
+    (64, 16, True, {}, True), (16, 0, True, {}, True),
+    (64, 16, False, {}, False),                                       # no Z: dADT with the keys launch
+    (8, 2, True, {}, False),                                          # 8-wide pieces: no dot that narrow
+    (64, 16, True, {"rotate_in_chunk_gradients": False}, False),      # the default
+    (64, 16, True, {"adt_in_values": False}, False)])
+def test_rotation_in_the_chunk_gradient_launch_runs_only_where_it_applies(N, S, with_z, option, fused):
+    from pallas_kernels.mamba3_siso.head_gradients import fuses_rotation
+    geo = make_geometry(batch=2, seqlen=37, heads=4, groups=2, headdim=3, d_state=N, num_angles=S, chunk_size=16,
+                        has_z=with_z, matmul_dtype=jnp.float32, io_dtype=jnp.float32,
+                        config=dataclasses.replace(ROTATE_IN_CHUNKS, **option))
+    stored = {"scores": 0} | ({"ungated": 0} if with_z else {})
+    assert fuses_rotation(geo, stored) == fused
 
 
 def test_stored_products_are_kept_only_for_a_backward():
@@ -380,34 +426,44 @@ def _lower_for_h200(shape, dtype, *, with_z=True, config=None):
     return lowered.as_text()
 
 
-@pytest.mark.parametrize("shape,dtype,with_z", [
-    ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True),     # the benchmark shape
-    ((2, 70, 6, 3, 7, 20, 1), jnp.float32, False),            # padding everywhere, groups, no Z
-    ((1, 64, 2, 1, 16, 64, 8), jnp.float16, True),            # rope_fraction 1.0, f16 tensor-core dots
-], ids=["perf-shape-bf16", "odd-shape-f32", "fullrope-f16"])
-def test_kernels_lower_to_triton_for_h200(shape, dtype, with_z):
-    text = _lower_for_h200(shape, dtype, with_z=with_z)
+@pytest.mark.parametrize("shape,dtype,with_z,config,launches", [
+    ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True, None, 10),              # the benchmark shape
+    # the queries' and keys' gradients rotated back in their chunk launches (head_gradients.py)
+    ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True, ROTATE_IN_CHUNKS, 9),
+    ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True,
+     dataclasses.replace(ROTATE_IN_CHUNKS, head_gradient_launches=1), 8),
+    ((2, 70, 6, 3, 7, 20, 1), jnp.float32, False, None, 10),      # padding everywhere, groups, no Z
+    ((1, 64, 2, 1, 16, 64, 8), jnp.float16, True, None, 10),      # rope_fraction 1.0, f16 dots, 8-wide pieces
+    ((2, 64, 4, 2, 64, 20, 16), jnp.float32, True,
+     dataclasses.replace(ROTATE_IN_CHUNKS, angle_sums="matmul", num_warps_head_grad=8), 9),
+], ids=["perf-shape-bf16", "perf-shape-bf16-head-launches", "perf-shape-bf16-one-head-launch", "odd-shape-f32", "fullrope-f16", "f32-head-grad-matmul"])
+def test_kernels_lower_to_triton_for_h200(shape, dtype, with_z, config, launches):
+    text = _lower_for_h200(shape, dtype, with_z=with_z, config=config)
     # forward: queries/keys, chunk states, state combine, chunk outputs; backward: chunk adjoints,
-    # adjoint combine, chunk gradients (three launches by default), query/key gradients
-    assert text.count("__gpu$xla.gpu.triton") == 10
+    # adjoint combine, then the values launch and the queries' and keys' head gradient launches (9; one
+    # launch for both: 8), or the values, keys and queries launches and the query/key gradient kernel (10)
+    assert text.count("__gpu$xla.gpu.triton") == launches
 
 
 def test_angle_sums_by_matmul_lower_for_h200():
     """Mamba3ScanConfig(angle_sums="matmul"): the triangular dots in both query/key kernels lower."""
-    text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=Mamba3ScanConfig(angle_sums="matmul"))
+    config = Mamba3ScanConfig(angle_sums="matmul", rotate_in_chunk_gradients=False)
+    text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
     assert text.count("__gpu$xla.gpu.triton") == 10
 
 
 def test_query_key_gradient_blocks_lower_for_h200():
     """qk_grad_blocks=4 (16-row programs) and 16 warps for the query/key gradient kernel, reading float32
     dq, dk̃ (qk_gradient_dtype="float32"; the default bf16 ones lower in the tests above)."""
-    config = Mamba3ScanConfig(qk_grad_blocks=4, num_warps_qk_grad=16, qk_gradient_dtype="float32")
+    config = Mamba3ScanConfig(qk_grad_blocks=4, num_warps_qk_grad=16, qk_gradient_dtype="float32",
+                              rotate_in_chunk_gradients=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
     assert text.count("__gpu$xla.gpu.triton") == 10
 
 
 def test_keys_with_queries_lowers_for_h200():
-    text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=Mamba3ScanConfig(keys_with_queries=True))
+    config = Mamba3ScanConfig(keys_with_queries=True, rotate_in_chunk_gradients=False)
+    text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
     assert text.count("__gpu$xla.gpu.triton") == 9
 
 
@@ -420,7 +476,7 @@ def test_adt_in_the_keys_launch_lowers_for_h200():
 
 def test_stored_for_keys_lowers_for_h200():
     """(The default, scores and ungated Y stored for the values launch, is lowered by the tests above.)"""
-    config = Mamba3ScanConfig(stored_for_keys=True)
+    config = Mamba3ScanConfig(stored_for_keys=True, rotate_in_chunk_gradients=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
     assert text.count("__gpu$xla.gpu.triton") == 10
 
@@ -507,7 +563,8 @@ def test_kernel_refuses_a_reset_mask_and_a_bad_config():
                                          ("stored_scores", 1), ("stored_ungated", "yes"),
                                          ("stored_for_keys", 1), ("num_warps_qk_grad", 64), ("qk_grad_blocks", 3),
                                          ("qk_gradient_dtype", "bfloat16"), ("adt_in_values", 1),
-                                         ("keys_with_queries", 1)])
+                                         ("keys_with_queries", 1), ("rotate_in_chunk_gradients", 1),
+                                         ("num_warps_head_grad", 3), ("head_gradient_launches", 3)])
 def test_bad_config_raises_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         Mamba3ScanConfig(**{field: value}).validate()
@@ -605,7 +662,8 @@ def test_gpu_query_key_gradient_blocks_match_reference(blocks, warps, shared):
     if shared:
         arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
     check_against_reference(arrays, states, 64, 2.5e-2,
-                            Mamba3ScanConfig(qk_grad_blocks=blocks, num_warps_qk_grad=warps))
+                            Mamba3ScanConfig(qk_grad_blocks=blocks, num_warps_qk_grad=warps,
+                                             rotate_in_chunk_gradients=False))
 
 
 @pytest.mark.gpu
@@ -631,7 +689,30 @@ def test_gpu_keys_and_queries_in_one_launch_match_reference():
     """keys_with_queries (a sweep candidate) at the benchmark shape, shared angles as in the model."""
     arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=20)
     check_against_reference(dict(arrays, Angles=arrays["Angles"][:, :, :1]), states, 64, 2.5e-2,
-                            Mamba3ScanConfig(keys_with_queries=True))
+                            Mamba3ScanConfig(keys_with_queries=True, rotate_in_chunk_gradients=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shared", [True, False])
+def test_gpu_separate_query_key_gradient_kernel_matches_reference(shared):
+    """rotate_in_chunk_gradients=False (keys and queries launches, then the query/key gradient kernel:
+    the previous default) at the benchmark shape."""
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=22)
+    if shared:
+        arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
+    check_against_reference(arrays, states, 64, 2.5e-2, Mamba3ScanConfig(rotate_in_chunk_gradients=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launches,warps,shared", [(2, 4, True), (2, 4, False), (1, 8, True)])
+def test_gpu_rotation_in_the_chunk_gradient_launches_matches_reference(launches, warps, shared):
+    """rotate_in_chunk_gradients (off by default: slower on the H200, session 22) in two launches or one,
+    at the benchmark shape."""
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=23)
+    if shared:
+        arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
+    check_against_reference(arrays, states, 64, 2.5e-2, dataclasses.replace(
+        ROTATE_IN_CHUNKS, head_gradient_launches=launches, num_warps_head_grad=warps))
 
 
 @pytest.mark.gpu

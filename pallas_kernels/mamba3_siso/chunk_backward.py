@@ -49,13 +49,15 @@ def forms_adt_with_values(geo: ScanGeometry, ops: dict) -> bool:
                 and "ungated" in ops)
 
 
-def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> dict:
+def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, values_only: bool = False) -> dict:
     """The chunk gradients (after the adjoint pass).
 
     Args:
       ops: the forward's chunk operands (see chunk_forward.chunk_outputs) plus d_out [Bt, Tp, H, Pp].
       entering: [Bt, H, nc, Pp, Np] states entering each chunk (forward residual).
       leaving_adjoint: [Bt, H, nc, Pp, Np] adjoint of the state leaving each chunk.
+      values_only: only the values launch (dV, dZ, dskip and dADT; needs forms_adt_with_values): the
+        queries' and keys' gradients come from head_gradients.py instead.
 
     Returns:
       dict with dq, dk [Bt, Tp, H, Np] (gradients of the kernel's Q and K̃; float32, or the dot operand
@@ -179,6 +181,11 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint) -> 
                 3: [("values",), ("keys",), ("queries",)]}[geo.config.gradient_kernels]
     if geo.config.keys_with_queries:
         launches = [("values",), ("keys", "queries")]
+    if values_only:
+        if not adt_in_values:
+            raise ValueError("chunk_gradients(values_only=True) needs dADT formed by the values launch "
+                             "(forms_adt_with_values)")
+        launches = [("values",)]
     arrays = dict(ops, state=entering, d_state=leaving_adjoint)
     specs = {"state": grid.chunk_state(), "d_state": grid.chunk_state()}
     grads = {}

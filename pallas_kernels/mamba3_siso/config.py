@@ -103,6 +103,17 @@ class Mamba3ScanConfig:
       keys_with_queries: with gradient_kernels=3, the keys and queries gradients in one launch (the
         values launch apart): A = dY·Vᵀ, the decay matrix and dY formed once for dK̃ and dQ, one launch
         fewer, more live tiles per program (not yet timed on the GPU).
+      rotate_in_chunk_gradients: the queries' and keys' chunk gradients and their rotation back (bias,
+        scale, angle and skip-term gradients) in one launch per (batch row, chunk, head)
+        (head_gradients.py), instead of the keys / queries launches plus the query/key gradient kernel
+        that walks a group's heads serially. Applies when the values launch forms dADT
+        (adt_in_values with its conditions) and every column piece of the kernel layout is at least
+        min_width wide; otherwise the separate launches run (the same sums). Off by default: slower on
+        the H200 (session 22: backward kernel sum +0.29 ms at B=32 T=512; head_gradients.py).
+      head_gradient_launches: that work in 1 launch, or 2 (the queries' side dx̄ and the keys' side dȳ,
+        ds apart, each with its share of the angle gradients, which XLA adds: fewer live tiles per
+        program, A = dY·Vᵀ formed twice).
+      num_warps_head_grad: Triton warps of that launch (or those two).
     """
 
     state_block_p: int = 16
@@ -127,10 +138,14 @@ class Mamba3ScanConfig:
     stored_for_keys: bool = False
     adt_in_values: bool = True
     keys_with_queries: bool = False
+    rotate_in_chunk_gradients: bool = False
+    head_gradient_launches: int = 2
+    num_warps_head_grad: int = 4
 
     def validate(self) -> "Mamba3ScanConfig":
         for name in ("state_block_p", "num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad",
-                     "num_warps_qk", "num_warps_qk_grad", "qk_grad_blocks", "min_width", "min_chunk", "max_chunk"):
+                     "num_warps_qk", "num_warps_qk_grad", "num_warps_head_grad", "qk_grad_blocks", "min_width", "min_chunk",
+                     "max_chunk"):
             v = getattr(self, name)
             if not is_power_of_2(v):
                 raise ValueError(f"Mamba3ScanConfig.{name} must be a positive power of two, got {v!r}")
@@ -139,7 +154,7 @@ class Mamba3ScanConfig:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be >= 16 (Triton's dots need every dimension >= 16), "
                                  f"got {getattr(self, name)!r}")
         for name in ("num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad", "num_warps_qk",
-                     "num_warps_qk_grad"):
+                     "num_warps_qk_grad", "num_warps_head_grad"):
             if getattr(self, name) > 32:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be <= 32 (Triton's limit), got {getattr(self, name)!r}")
         if self.min_chunk > self.max_chunk:
@@ -148,6 +163,8 @@ class Mamba3ScanConfig:
             raise ValueError(f"Mamba3ScanConfig.num_stages must be a positive int, got {self.num_stages!r}")
         if isinstance(self.qk_head_splits, bool) or not isinstance(self.qk_head_splits, int) or self.qk_head_splits < 1:
             raise ValueError(f"Mamba3ScanConfig.qk_head_splits must be a positive int, got {self.qk_head_splits!r}")
+        if type(self.head_gradient_launches) is not int or self.head_gradient_launches not in (1, 2):
+            raise ValueError(f"Mamba3ScanConfig.head_gradient_launches must be 1 or 2, got {self.head_gradient_launches!r}")
         if type(self.gradient_kernels) is not int or self.gradient_kernels not in (1, 2, 3):
             raise ValueError(f"Mamba3ScanConfig.gradient_kernels must be 1, 2 or 3, got {self.gradient_kernels!r}")
         if self.angle_sums not in ANGLE_SUMS:
@@ -160,7 +177,7 @@ class Mamba3ScanConfig:
                              f"got {self.qk_gradient_dtype!r}")
         if self.stored_for_keys is True and not self.stored_scores:
             raise ValueError("Mamba3ScanConfig.stored_for_keys=True needs stored_scores=True")
-        for name in ("adt_in_values", "keys_with_queries"):
+        for name in ("adt_in_values", "keys_with_queries", "rotate_in_chunk_gradients"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.keys_with_queries and self.gradient_kernels != 3:

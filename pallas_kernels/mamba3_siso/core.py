@@ -11,9 +11,14 @@ differentiated by JAX): for the padded operands in the kernel layout of config.p
             state_passes.forward_state_pass   -> states entering every chunk, S_final  (2 kernels)
             chunk_forward.chunk_outputs       -> out                                   (1 kernel)
   backward  state_passes.adjoint_state_pass   -> adjoints leaving every chunk, dS_0    (2 kernels)
-            chunk_backward.chunk_gradients    -> dq, dk̃, dV, dZ, dADT, dskip  (1-3 launches, default 3)
-            qk_gradients.query_key_gradients  -> dQ, dK, bias, scale and angle gradients, the skip
-                                                 term's ⟨q̄, k̄⟩ gradient included (1 kernel)
+            chunk_backward.chunk_gradients    -> dV, dZ, dADT, dskip (the values launch) and, unless
+                                                 head_gradients runs, dq, dk̃ (1-3 launches, default 3)
+            qk_gradients.query_key_gradients  -> dQ, dK, bias, scale and angle gradients from dq, dk̃,
+                                                 the skip term's ⟨q̄, k̄⟩ gradient included (1 kernel)
+            or, with config.rotate_in_chunk_gradients (head_gradients.fuses_rotation),
+            head_gradients.head_query_key_gradients -> dq, dk̃ per chunk and head rotated back in the
+                                                 launches that form them (1 or 2 kernels; XLA sums
+                                                 the heads and the bias gradients)
   Partial sums (bias gradients over chunks, dQ and dK over slices of a group's heads) are reduced by
   XLA in a fixed order: deterministic, no atomics.
 
@@ -36,6 +41,7 @@ import jax.numpy as jnp
 from pallas_kernels.common.dtypes import F32
 from pallas_kernels.mamba3_siso import chunk_backward, chunk_forward, state_passes
 from pallas_kernels.mamba3_siso.config import ScanGeometry
+from pallas_kernels.mamba3_siso.head_gradients import fuses_rotation, head_query_key_gradients
 from pallas_kernels.mamba3_siso.qk_gradients import query_key_gradients
 from pallas_kernels.mamba3_siso.queries_keys import head_queries_keys_kernel
 
@@ -94,10 +100,15 @@ def _core_bwd(geo, residuals, cotangents):
     ops = dict(kernel_operands(q, k, v, z, adt, skip_term(D, gamma, diagonal), d_out=d_out.astype(v.dtype)),
                **stored)
     leaving, d_initial = state_passes.adjoint_state_pass(geo, ops, d_final.astype(F32))
-    g = chunk_backward.chunk_gradients(geo, ops, entering, leaving)
+    if fuses_rotation(geo, ops):
+        g = chunk_backward.chunk_gradients(geo, ops, entering, leaving, values_only=True)
+        dQ, dK, dQ_bias, dK_bias, d_scale, d_angles, d_dt, d_entry = head_query_key_gradients(
+            geo, ops, entering, leaving, Q, K, Q_bias, K_bias, scale, gamma, angles, dt, theta)
+    else:
+        g = chunk_backward.chunk_gradients(geo, ops, entering, leaving)
+        dQ, dK, dQ_bias, dK_bias, d_scale, d_angles, d_dt, d_entry = query_key_gradients(
+            geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta, g["dq"], g["dk"], d_diagonal=g["d_skip"] * gamma)
     d_skip = g["d_skip"]
-    dQ, dK, dQ_bias, dK_bias, d_scale, d_angles, d_dt, d_entry = query_key_gradients(
-        geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta, g["dq"], g["dk"], d_diagonal=d_skip * gamma)
     d_D = jnp.sum(d_skip, axis=(0, 1))
     return (dQ.astype(Q.dtype), dK.astype(K.dtype), dQ_bias, dK_bias, d_scale, d_angles, d_dt, d_entry, g["dv"],
             g.get("dz"), g["d_adt"], d_skip * diagonal, d_initial, d_D)

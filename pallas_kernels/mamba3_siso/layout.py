@@ -75,6 +75,26 @@ class ChunkGrid:
         return pl.BlockSpec((None, None, None, self.geo.padded_headdim, self.geo.padded_state),
                             lambda p: (self.row(p), self.head(p), self.chunk(p), 0, 0))
 
+    def group_rows(self):
+        """[Bt, Tp, G, Np] (Q, K): the chunk's [L, Np] rows of the program's head's group."""
+        per_group = self.geo.heads_per_group
+        return pl.BlockSpec((None, self.geo.chunk, None, self.geo.padded_state),
+                            lambda p: (self.row(p), self.chunk(p), self.head(p) // per_group, 0))
+
+    def head_vector(self, width):
+        """[H, width] (the biases): the program's head's [width] row."""
+        return pl.BlockSpec((None, width), lambda p: (self.head(p), 0))
+
+    def shared_rows(self, width):
+        """[Bt, Tp, width] (per-position values shared by every head: the shared angles): the chunk's
+        [L, width] rows."""
+        return pl.BlockSpec((None, self.geo.chunk, width), lambda p: (self.row(p), self.chunk(p), 0))
+
+    def chunk_vector(self, width):
+        """[Bt, nc, H, width] (one row per chunk and head: the entering angles' gradient): the program's
+        [width] row."""
+        return pl.BlockSpec((None, None, None, width), lambda p: (self.row(p), self.chunk(p), self.head(p), 0))
+
 
 @dataclasses.dataclass(frozen=True)
 class StateGrid:
