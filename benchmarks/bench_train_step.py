@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import statistics
 import time
 
@@ -63,6 +64,10 @@ def parse_args(argv=None):
                    help="sequence parallel: split each sequence's time axis over this many devices (a seq mesh axis)")
     p.add_argument("--fsdp", action="store_true", help="with --devices > 1: shard parameters and optimizer state over data")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON to PATH")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="after the warm-up, gc.collect() then gc.freeze(): Python's full (generation-2) collections "
+                        "stop rescanning the ~10^5 objects compilation leaves behind (their pauses, ~0.1-0.2 s on "
+                        "the H200 host, otherwise land inside the timed steps)")
     p.add_argument("--profile-back-to-back", action="store_true",
                    help="with --profile: trace the N steps with one sync at the end (the --steady conditions)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -119,6 +124,29 @@ def loss_fn(logits, batch):
     return jmamba.next_token_loss(logits, batch)
 
 
+class gc_pauses:
+    """Records Python's full (generation-2) garbage collections from construction on: their pauses run on
+    the thread that dispatches the steps, so the device idles during them when it has caught up."""
+
+    def __init__(self):
+        self.pauses, self._start = [], None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase, info):
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.pauses.append(time.perf_counter() - self._start)
+
+    def report(self, impl, steps):
+        gc.callbacks.remove(self._callback)
+        total = 1e3 * sum(self.pauses)
+        print(f"# {impl}: {len(self.pauses)} full GC pauses during the {steps} timed steps, {total:.1f} ms in all"
+              + (f" (longest {1e3 * max(self.pauses):.1f} ms)" if self.pauses else ""), flush=True)
+
+
 def profile_steps(step, state, batches, n, back_to_back=False):
     """Traces n steps (state threaded through) and prints the per-kernel and per-category device times
     per step (benchmarks/profile_kernels.py); returns the last state. back_to_back: one sync after the
@@ -167,6 +195,10 @@ def bench_one(args, lm, impl):
             state, m = step(state, batches[i % 2])
         jax.block_until_ready(state)
         compile_s = time.perf_counter() - t0
+        if args.gc_freeze:
+            gc.collect()
+            gc.freeze()
+        pauses = gc_pauses()
         times = []
         for i in range(args.steps):
             t = time.perf_counter()
@@ -181,6 +213,7 @@ def bench_one(args, lm, impl):
             jax.block_until_ready((state, m))
             steady_ms = 1e3 * (time.perf_counter() - t) / args.steady
             print(f"# {impl}: {args.steady} steps back to back (one sync): {steady_ms:.1f} ms/step", flush=True)
+        pauses.report(impl, args.steps + (args.steady or 0))
         if args.profile:
             state = profile_steps(step, state, batches, args.profile, back_to_back=args.profile_back_to_back)
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.devices()[:args.devices]]

@@ -161,6 +161,8 @@ for s in $stages; do case $s in
                PYTHONPATH=$PWD/.old run e2e_mamba3_profile_b2b_old 170 python3 .old/benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 5 --warmup 2 --steady 10 --profile 6 --profile-back-to-back ;;
   e2e3_b2b)    run e2e_mamba3_profile_b2b 170 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 5 --warmup 2 --steady 10 --profile 6 --profile-back-to-back ;;
   e2e3_prof)   run e2e_mamba3_profile 170 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --profile 3 ;;
+  e2e3_gc)     run e2e_mamba3_gc_freeze 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ;
+               run e2e_mamba3_gc_default 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 ;;
   e2e3_nocb)   XLA_FLAGS="--xla_gpu_enable_command_buffer=" run e2e_mamba3_no_command_buffers 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 ;;
   e2e1_nocb)   XLA_FLAGS="--xla_gpu_enable_command_buffer=" run e2e_mamba1_no_command_buffers 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 ;;
   e2e1_cb)     XLA_FLAGS="--xla_gpu_enable_command_buffer=+CUSTOM_CALL,+CUBLASLT,+CUBLAS,+FUSION --xla_gpu_graph_min_graph_size=1" run e2e_mamba1_more_command_buffers 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 ;;
