@@ -90,8 +90,10 @@ ADT = [DEFAULT_CONFIG, dataclasses.replace(DEFAULT_CONFIG, adt_in_values=False),
 HEAD = [DEFAULT_CONFIG] + [dataclasses.replace(DEFAULT_CONFIG, rotate_in_chunk_gradients=True, **kw) for kw in (
     dict(), dict(num_warps_head_grad=8), dict(head_gradient_launches=1, num_warps_head_grad=8),
     dict(head_gradient_launches=1))]
+# The skip term as the scores' diagonal (session 22, untimed) vs the float32 per-position weight.
+SKIP = [DEFAULT_CONFIG, dataclasses.replace(DEFAULT_CONFIG, skip_in_scores=True)]
 SWEEP_SETS = {"all": SWEEP, "stored": [DEFAULT_CONFIG] + SWEEP[-4:], "qk": QK_SWEEP, "qk16": QK16, "adt": ADT,
-              "head": HEAD}
+              "head": HEAD, "skip": SKIP}
 
 
 def make_args(bsz, T, dims, dtype=jnp.bfloat16, seed=0, per_head_angles=False):

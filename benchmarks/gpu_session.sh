@@ -24,6 +24,8 @@
 #                                                  m3_qk (the query/key kernels' knobs: op sweep at both shapes)
 #                                                  m3_head m3_head_bench (the rotation in the chunk-gradient launch vs the
 #                                                  query/key gradient kernel: profiles, op sweep)
+#                                                  m3_skip e2e3_skip (the skip term as the scores' diagonal: profiles,
+#                                                  its GPU tests, train step), e2e3_gc (train step with / without gc.freeze)
 #                                                  m3_adt e2e3_adt (dADT in the values vs keys launch, keys+queries in one launch: op sweep, train step)
 #                                                  dispatch (a synchronised op call split: dispatch, wait, pipelined, trivial-jit floor; with and without command buffers)
 #                                                  m3_prof32 (the op's per-kernel profile at B=32 T=512)
@@ -98,6 +100,10 @@ for s in $stages; do case $s in
                for cfg in "" rotate_in_chunk_gradients=True; do
                  tag=$(echo "${cfg:-default}" | tr '=,' '__')
                  run m3_profile_b8t2048_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape b8t2048 --iters 10 ${cfg:+--scan-config $cfg} ; done ;;
+  m3_skip)     for sh in b32t512 b8t2048; do for cfg in "" skip_in_scores=True; do tag=$(echo "${cfg:-default}" | tr '=,' '__')
+                 run m3_profile_${sh}_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape $sh --iters 10 ${cfg:+--scan-config $cfg} ; done ; done ;
+               run m3_skip_gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -k skip -rA ;;
+  e2e3_skip)   run e2e_mamba3_skip_in_scores 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze --scan-config skip_in_scores=True ;;
   e2e3_rot)    run e2e_mamba3_rotate_in_chunks 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config rotate_in_chunk_gradients=True ;;
   m3_head_bench) run m3_bench_head 200 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b8t2048 --sweep --sweep-set head ;
                run m3_bench_head_b32 200 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b32t512 --sweep --sweep-set head ;;

@@ -254,6 +254,20 @@ def test_rotation_in_the_chunk_gradient_launch_runs_only_where_it_applies(N, S, 
     assert fuses_rotation(geo, stored) == fused
 
 
+@pytest.mark.parametrize("shape,dtype,options,config,chunk_size,tol", [
+    ((2, 37, 4, 2, 8, 3, 2), jnp.float32, {}, {}, 16, 2e-5),
+    ((2, 37, 4, 2, 8, 3, 2), jnp.float32, dict(with_z=False), {}, 16, 2e-5),       # dADT with the keys launch
+    ((1, 70, 2, 1, 6, 4, 3), jnp.bfloat16, {}, {}, 32, 2e-2),
+    ((2, 37, 4, 2, 64, 3, 16), jnp.float32, {}, dict(rotate_in_chunk_gradients=True), 16, 2e-5),
+    ((2, 37, 4, 2, 8, 3, 2), jnp.float32, {}, dict(gradient_kernels=1, **NOT_STORED), 16, 2e-5),
+], ids=["f32-z", "f32-no-z", "bf16", "f32-rotate-in-chunks", "f32-one-gradient-launch"])
+def test_skip_term_in_the_scores_matches_reference(shape, dtype, options, config, chunk_size, tol):
+    """config.skip_in_scores: γ⟨q̄, k̄⟩ as the scores' diagonal (weight γ/s): every value and cotangent
+    (the scale's and γ's through the weight included)."""
+    arrays, states = make_inputs(shape, dtype, seed=24, **options)
+    check_against_reference(arrays, states, chunk_size, tol, Mamba3ScanConfig(skip_in_scores=True, **config))
+
+
 def test_stored_products_are_kept_only_for_a_backward():
     """The chunk-output kernel writes the scores and ungated output only when asked for the backward
     (core._core_fwd asks, the plain forward does not), in the dot operand dtype and float32, one [L]
@@ -467,6 +481,12 @@ def test_keys_with_queries_lowers_for_h200():
     assert text.count("__gpu$xla.gpu.triton") == 9
 
 
+def test_skip_term_in_the_scores_lowers_for_h200():
+    config = Mamba3ScanConfig(skip_in_scores=True)
+    text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
+    assert text.count("__gpu$xla.gpu.triton") == 10
+
+
 def test_adt_in_the_keys_launch_lowers_for_h200():
     """adt_in_values=False (the default, dADT with the values, is lowered by the tests above)."""
     config = Mamba3ScanConfig(adt_in_values=False)
@@ -564,7 +584,8 @@ def test_kernel_refuses_a_reset_mask_and_a_bad_config():
                                          ("stored_for_keys", 1), ("num_warps_qk_grad", 64), ("qk_grad_blocks", 3),
                                          ("qk_gradient_dtype", "bfloat16"), ("adt_in_values", 1),
                                          ("keys_with_queries", 1), ("rotate_in_chunk_gradients", 1),
-                                         ("num_warps_head_grad", 3), ("head_gradient_launches", 3)])
+                                         ("num_warps_head_grad", 3), ("head_gradient_launches", 3),
+                                         ("skip_in_scores", "no")])
 def test_bad_config_raises_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         Mamba3ScanConfig(**{field: value}).validate()
@@ -713,6 +734,16 @@ def test_gpu_rotation_in_the_chunk_gradient_launches_matches_reference(launches,
         arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
     check_against_reference(arrays, states, 64, 2.5e-2, dataclasses.replace(
         ROTATE_IN_CHUNKS, head_gradient_launches=launches, num_warps_head_grad=warps))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shared", [True, False])
+def test_gpu_skip_term_in_the_scores_matches_reference(shared):
+    """skip_in_scores (a sweep candidate, off by default) at the benchmark shape."""
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=25)
+    if shared:
+        arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
+    check_against_reference(arrays, states, 64, 2.5e-2, Mamba3ScanConfig(skip_in_scores=True))
 
 
 @pytest.mark.gpu

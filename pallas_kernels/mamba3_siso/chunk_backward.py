@@ -79,7 +79,8 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, 
         # stored_for_keys; the launches are then one group each)
         stored_scores, stored_y = "scores" in refs, "ungated" in refs
         formed_scores = (values or adt_keys) and not stored_scores
-        lam = decay.strictly_lower() if (formed_scores or keys or queries) else None
+        lam = (decay.lower(refs["diag_weight"][...] if "diag_weight" in refs else None)
+               if (formed_scores or keys or queries) else None)
         k, v = refs["k"][...], refs["v"][...]
         d_out = refs["d_out"][...].astype(F32)
         if geo.has_z:
@@ -192,7 +193,7 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, 
     for groups in launches:
         names = set().union(*(reads[g] for g in groups))
         inputs = chunk_inputs(geo, grid, ops, [n for n in ("q", "k", "v", "z", "d_out", "adt", "skip", "scores",
-                                                           "ungated") if n in names])
+                                                           "ungated") if n in names] + ["diag_weight"])
         inputs += [(n, arrays[n], specs[n]) for n in ("state", "d_state") if n in names]
         grads.update(layout.launch(
             functools.partial(body, **{g: g in groups for g in ("values", "keys", "queries")}), geo, grid, inputs,

@@ -33,7 +33,8 @@ def chunk_inputs(geo: ScanGeometry, grid: layout.ChunkGrid, ops: dict, names) ->
     specs = {"q": grid.head_rows(geo.padded_state), "k": grid.head_rows(geo.padded_state),
              "v": grid.head_rows(geo.padded_headdim), "z": grid.head_rows(geo.padded_headdim),
              "d_out": grid.head_rows(geo.padded_headdim), "adt": grid.sequence(), "skip": grid.sequence(),
-             "scores": grid.head_rows(geo.chunk), "ungated": grid.head_rows(geo.padded_headdim)}
+             "scores": grid.head_rows(geo.chunk), "ungated": grid.head_rows(geo.padded_headdim),
+             "diag_weight": grid.sequence()}
     return [(n, ops[n], specs[n]) for n in names if ops.get(n) is not None]
 
 
@@ -76,7 +77,8 @@ def chunk_outputs(geo: ScanGeometry, ops: dict, entering, *, for_backward: bool 
 
     def body(refs):
         decay = ChunkDecay(refs["adt"][...])
-        y, scores = chunk_output(geo, decay, decay.strictly_lower(), refs["q"][...], refs["k"][...], refs["v"][...],
+        lam = decay.lower(refs["diag_weight"][...] if "diag_weight" in refs else None)
+        y, scores = chunk_output(geo, decay, lam, refs["q"][...], refs["k"][...], refs["v"][...],
                                  refs["skip"][...], refs["state"][...])
         if "scores" in kept:
             refs["scores"][...] = scores.astype(refs["scores"].dtype)
@@ -87,7 +89,7 @@ def chunk_outputs(geo: ScanGeometry, ops: dict, entering, *, for_backward: bool 
             y = y * (z * sigmoid(z))
         refs["out"][...] = y.astype(refs["out"].dtype)
 
-    inputs = chunk_inputs(geo, grid, ops, ["q", "k", "v", "z", "adt", "skip"])
+    inputs = chunk_inputs(geo, grid, ops, ["q", "k", "v", "z", "adt", "skip", "diag_weight"])
     inputs.append(("state", entering, grid.chunk_state()))
     bsz, Tp, H, Pp = geo.batch, geo.padded_seqlen, geo.heads, geo.padded_headdim
     outputs = [("out", jax.ShapeDtypeStruct((bsz, Tp, H, Pp), jnp.dtype(geo.io_dtype)), grid.head_rows(Pp))]

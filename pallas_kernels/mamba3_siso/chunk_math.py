@@ -116,6 +116,16 @@ class ChunkDecay:
         diff = self.cs[:, None] - self.cs[None, :]
         return jnp.where(below, jnp.exp(jnp.where(below, diff, 0.0)), 0.0)
 
+    def lower(self, diagonal=None):
+        """Λ (strictly_lower), plus diag(`diagonal` [L]) when given (the skip term's weight γ/s on the
+        scores' diagonal, config.skip_in_scores)."""
+        lam = self.strictly_lower()
+        if diagonal is None:
+            return lam
+        L = self.cs.shape[0]
+        on = jnp.arange(L, dtype=I32)[:, None] == jnp.arange(L, dtype=I32)[None, :]
+        return jnp.where(on, diagonal[:, None], lam)
+
 
 # ---- RoPE on the pieces of the kernel layout (config.py): dicts {piece name: [rows, width] tile}
 def rotate(x, rotation):

@@ -114,6 +114,12 @@ class Mamba3ScanConfig:
         ds apart, each with its share of the angle gradients, which XLA adds: fewer live tiles per
         program, A = dY·Vᵀ formed twice).
       num_warps_head_grad: Triton warps of that launch (or those two).
+      skip_in_scores: the skip term's γ⟨q̄, k̄⟩·V as the diagonal of the chunk kernels' scores (the masked
+        decay matrix carries γ/s on its diagonal, since ⟨q_i, k̃_i⟩ = s_i⟨q̄_i, k̄_i⟩), as the official
+        kernels do, instead of a float32 per-position weight of V: its q, k̃ gradients then come through
+        the chunk-gradient dots, and the query/key gradient kernel adds no γ·d skip terms. The term is
+        then formed from the dot operands (bf16 for bf16 activations) instead of float32. Not yet timed
+        on the GPU (benchmarks/notes_mamba3_scan.md v13).
     """
 
     state_block_p: int = 16
@@ -141,6 +147,7 @@ class Mamba3ScanConfig:
     rotate_in_chunk_gradients: bool = False
     head_gradient_launches: int = 2
     num_warps_head_grad: int = 4
+    skip_in_scores: bool = False
 
     def validate(self) -> "Mamba3ScanConfig":
         for name in ("state_block_p", "num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad",
@@ -177,7 +184,7 @@ class Mamba3ScanConfig:
                              f"got {self.qk_gradient_dtype!r}")
         if self.stored_for_keys is True and not self.stored_scores:
             raise ValueError("Mamba3ScanConfig.stored_for_keys=True needs stored_scores=True")
-        for name in ("adt_in_values", "keys_with_queries", "rotate_in_chunk_gradients"):
+        for name in ("adt_in_values", "keys_with_queries", "rotate_in_chunk_gradients", "skip_in_scores"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.keys_with_queries and self.gradient_kernels != 3:

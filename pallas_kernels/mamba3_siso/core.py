@@ -46,9 +46,9 @@ from pallas_kernels.mamba3_siso.qk_gradients import query_key_gradients
 from pallas_kernels.mamba3_siso.queries_keys import head_queries_keys_kernel
 
 
-def kernel_operands(q, k, v, z, adt, skip, s0=None, d_out=None):
-    """The dict of arrays the kernels read."""
-    return dict(q=q, k=k, v=v, z=z, adt=adt, skip=skip, s0=s0, d_out=d_out)
+def kernel_operands(q, k, v, z, adt, skip, s0=None, d_out=None, diag_weight=None):
+    """The dict of arrays the kernels read (diag_weight None: absent)."""
+    return dict(q=q, k=k, v=v, z=z, adt=adt, skip=skip, s0=s0, d_out=d_out, diag_weight=diag_weight)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -79,9 +79,27 @@ def skip_term(D, gamma, diagonal):
     return D.astype(F32) + gamma * diagonal
 
 
+def diagonal_weight(gamma, scale):
+    """w = γ/s [Bt, Tp, H] float32 (0 where s = 0: the time padding), in (0, 1] since s = γ + σ̂ >= γ > 0:
+    with config.skip_in_scores the chunk kernels' masked decay matrix carries w on its diagonal, so the
+    scores' diagonal ⟨q_i, k̃_i⟩ = s_i⟨q̄_i, k̄_i⟩ gives the skip term's γ⟨q̄, k̄⟩ in the forward's dot and
+    its q, k̃ gradients through (A ⊙ Λ) in the backward."""
+    positive = scale > 0
+    return jnp.where(positive, gamma / jnp.where(positive, scale, 1.0), 0.0)
+
+
+def skip_operands(geo, D, gamma, scale, diagonal):
+    """(skip [Bt, Tp, H], diagonal weight or None): D + γ⟨q̄, k̄⟩ as a per-position weight of V, or, with
+    config.skip_in_scores, D there and γ/s on the scores' diagonal."""
+    if geo.config.skip_in_scores:
+        return D.astype(F32) + jnp.zeros_like(gamma), diagonal_weight(gamma, scale)
+    return skip_term(D, gamma, diagonal), None
+
+
 def _forward(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D, *, for_backward=False):
     q, k, theta, diagonal = head_queries_keys_kernel(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry)
-    ops = kernel_operands(q, k, v, z, adt, skip_term(D, gamma, diagonal), s0=s0)
+    skip, weight = skip_operands(geo, D, gamma, scale, diagonal)
+    ops = kernel_operands(q, k, v, z, adt, skip, s0=s0, diag_weight=weight)
     entering, final = state_passes.forward_state_pass(geo, ops)
     out, stored = chunk_forward.chunk_outputs(geo, ops, entering, for_backward=for_backward)
     return out, final, (q, k, theta, diagonal, entering, stored)
@@ -97,8 +115,8 @@ def _core_fwd(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, a
 def _core_bwd(geo, residuals, cotangents):
     Q, K, Q_bias, K_bias, scale, angles, dt, theta, q, k, v, z, adt, gamma, D, diagonal, entering, stored = residuals
     d_out, d_final = cotangents
-    ops = dict(kernel_operands(q, k, v, z, adt, skip_term(D, gamma, diagonal), d_out=d_out.astype(v.dtype)),
-               **stored)
+    skip, weight = skip_operands(geo, D, gamma, scale, diagonal)
+    ops = dict(kernel_operands(q, k, v, z, adt, skip, d_out=d_out.astype(v.dtype), diag_weight=weight), **stored)
     leaving, d_initial = state_passes.adjoint_state_pass(geo, ops, d_final.astype(F32))
     if fuses_rotation(geo, ops):
         g = chunk_backward.chunk_gradients(geo, ops, entering, leaving, values_only=True)
@@ -107,8 +125,13 @@ def _core_bwd(geo, residuals, cotangents):
     else:
         g = chunk_backward.chunk_gradients(geo, ops, entering, leaving)
         dQ, dK, dQ_bias, dK_bias, d_scale, d_angles, d_dt, d_entry = query_key_gradients(
-            geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta, g["dq"], g["dk"], d_diagonal=g["d_skip"] * gamma)
-    d_skip = g["d_skip"]
+            geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta, g["dq"], g["dk"],
+            d_diagonal=None if weight is not None else g["d_skip"] * gamma)
+    d_skip = g["d_skip"]      # ⟨dY_i, v_i⟩: the gradient of skip, and of γ⟨q̄, k̄⟩ per unit of it
+    if weight is not None:
+        # the term is w·⟨q_i, k̃_i⟩ with w = γ/s: dw = d skip·s⟨q̄, k̄⟩, so dγ = dw/s = d skip·⟨q̄, k̄⟩ (as
+        # below) and ds gets dw·(−γ/s²) = −d skip·⟨q̄, k̄⟩·w besides its share through k̃
+        d_scale = d_scale - d_skip * diagonal * weight
     d_D = jnp.sum(d_skip, axis=(0, 1))
     return (dQ.astype(Q.dtype), dK.astype(K.dtype), dQ_bias, dK_bias, d_scale, d_angles, d_dt, d_entry, g["dv"],
             g.get("dz"), g["d_adt"], d_skip * diagonal, d_initial, d_D)

@@ -105,9 +105,13 @@ def head_query_key_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adj
             dy = d_out * (z * sigmoid(z))                                   # dY = dO ⊙ silu(Z)
         else:
             dy = d_out
-        masked = dot(dy, v, mm, trans_b=True) * decay.strictly_lower()     # (A ⊙ Λ), A_ij = <dY_i, v_j>
+        lam = decay.lower(refs["diag_weight"][...] if "diag_weight" in refs else None)
+        masked = dot(dy, v, mm, trans_b=True) * lam                        # (A ⊙ Λ), A_ij = <dY_i, v_j>
         s = refs["scale"][...] if keys else None
-        c = (refs["gamma"][...] * jnp.sum(dy * v.astype(F32), axis=1))[:, None]   # γ·d skip
+        # γ·d skip: the gradient of the skip term's ⟨x̄, ȳ⟩ (zero with config.skip_in_scores: the term is
+        # then the scores' diagonal and its gradient reaches dq, dk̃ through (A ⊙ Λ))
+        c = (0.0 if "diag_weight" in refs
+             else (refs["gamma"][...] * jnp.sum(dy * v.astype(F32), axis=1))[:, None])
 
         def piece_terms(start, width):
             """dq, dk̃ (None for a side not formed), x̄, ȳ of one column piece, float32 [L, width]."""
@@ -179,7 +183,7 @@ def head_query_key_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adj
     results = []
     for chosen in launches:
         names = [n for side in chosen for n in sides[side][0]]
-        inputs = chunk_inputs(geo, grid, ops, sorted(set(names)) + ["v", "z", "d_out", "adt"])
+        inputs = chunk_inputs(geo, grid, ops, sorted(set(names)) + ["v", "z", "d_out", "adt", "diag_weight"])
         inputs += [(sides[side][1], entering if side == "queries" else leaving_adjoint, grid.chunk_state())
                    for side in chosen]
         inputs += [("Q", Q, grid.group_rows()), ("K", K, grid.group_rows()),
