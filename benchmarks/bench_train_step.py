@@ -125,12 +125,18 @@ def loss_fn(logits, batch):
 
 
 class gc_pauses:
-    """Records Python's full (generation-2) garbage collections from construction on: their pauses run on
-    the thread that dispatches the steps, so the device idles during them when it has caught up."""
+    """Context manager recording Python's full (generation-2) garbage collections inside it: their pauses
+    run on the thread that dispatches the steps, so the device idles during them when it has caught up."""
 
     def __init__(self):
         self.pauses, self._start = [], None
+
+    def __enter__(self):
         gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
 
     def _callback(self, phase, info):
         if info["generation"] != 2:
@@ -141,7 +147,6 @@ class gc_pauses:
             self.pauses.append(time.perf_counter() - self._start)
 
     def report(self, impl, steps):
-        gc.callbacks.remove(self._callback)
         total = 1e3 * sum(self.pauses)
         print(f"# {impl}: {len(self.pauses)} full GC pauses during the {steps} timed steps, {total:.1f} ms in all"
               + (f" (longest {1e3 * max(self.pauses):.1f} ms)" if self.pauses else ""), flush=True)
@@ -198,21 +203,21 @@ def bench_one(args, lm, impl):
         if args.gc_freeze:
             gc.collect()
             gc.freeze()
-        pauses = gc_pauses()
-        times = []
-        for i in range(args.steps):
-            t = time.perf_counter()
-            state, m = step(state, batches[i % 2])
-            jax.block_until_ready((state, m))
-            times.append(time.perf_counter() - t)
-        steady_ms = None
-        if args.steady:
-            t = time.perf_counter()
-            for i in range(args.steady):
+        with gc_pauses() as pauses:
+            times = []
+            for i in range(args.steps):
+                t = time.perf_counter()
                 state, m = step(state, batches[i % 2])
-            jax.block_until_ready((state, m))
-            steady_ms = 1e3 * (time.perf_counter() - t) / args.steady
-            print(f"# {impl}: {args.steady} steps back to back (one sync): {steady_ms:.1f} ms/step", flush=True)
+                jax.block_until_ready((state, m))
+                times.append(time.perf_counter() - t)
+            steady_ms = None
+            if args.steady:
+                t = time.perf_counter()
+                for i in range(args.steady):
+                    state, m = step(state, batches[i % 2])
+                jax.block_until_ready((state, m))
+                steady_ms = 1e3 * (time.perf_counter() - t) / args.steady
+                print(f"# {impl}: {args.steady} steps back to back (one sync): {steady_ms:.1f} ms/step", flush=True)
         pauses.report(impl, args.steps + (args.steady or 0))
         if args.profile:
             state = profile_steps(step, state, batches, args.profile, back_to_back=args.profile_back_to_back)

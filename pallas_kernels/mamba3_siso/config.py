@@ -104,8 +104,8 @@ class Mamba3ScanConfig:
         values launch apart): A = dY·Vᵀ, the decay matrix and dY formed once for dK̃ and dQ, one launch
         fewer, more live tiles per program (not yet timed on the GPU).
       rotate_in_chunk_gradients: the queries' and keys' chunk gradients and their rotation back (bias,
-        scale, angle and skip-term gradients) in one launch per (batch row, chunk, head)
-        (head_gradients.py), instead of the keys / queries launches plus the query/key gradient kernel
+        scale, angle and skip-term gradients) in launches of one program per (batch row, chunk, head)
+        (head_gradients.py; head_gradient_launches), instead of the keys / queries launches plus the query/key gradient kernel
         that walks a group's heads serially. Applies when the values launch forms dADT
         (adt_in_values with its conditions) and every column piece of the kernel layout is at least
         min_width wide; otherwise the separate launches run (the same sums). Off by default: slower on

@@ -27,9 +27,9 @@ the heads by XLA too. No atomics: every output element is written by exactly one
 Measured (H200, session 22, B=32 T=512 per-head angles, one call): the two launches take 520 + 461 µs
 against 156 + 151 + 505 µs for the keys / queries launches and the query/key gradient kernel, plus
 ~0.1 ms of XLA head and bias sums: kernel sum 2176 → 2466 µs (one launch at 8 warps: 1095 µs). The
-rotation's ~10 µs of dependent elementwise work, scans and reductions per (chunk, head) costs the
-same latency per program here as one iteration of the serial head loop there, and the
-piecewise dots add more. So it is off by default (benchmarks/notes_mamba3_scan.md v13).
+rotation's dependent elementwise work, scans and reductions add ~13 µs of latency to every
+(chunk, head) program here, about what one iteration of the serial head loop costs there (~11 µs):
+spreading it over 24× the programs does not hide it, and the piecewise dots add more. So it is off by default (benchmarks/notes_mamba3_scan.md v13).
 
 When it runs (`fuses_rotation`): config.rotate_in_chunk_gradients, dADT formed by the values launch
 (chunk_backward.forms_adt_with_values: a Z and the forward's scores and ungated Y stored; this launch
@@ -158,14 +158,12 @@ def head_query_key_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adj
                     d_angle = angle_gradient(dq, x, rotation)
                 if keys:
                     d_angle = add(d_angle, s[:, None] * angle_gradient(dk, y, rotation))
-                chunk_total = jnp.sum(d_angle, axis=0)
-                d_inc = (reverse_cumsum(d_angle, axis=0, by_matmul=True) if geo.angle_sums_by_matmul
-                         else chunk_total[None, :] - jnp.cumsum(d_angle, axis=0) + d_angle)
+                d_inc = reverse_cumsum(d_angle, axis=0, by_matmul=geo.angle_sums_by_matmul)
                 rate, slope = angle_rate_and_slope(refs["angles"][...])
                 refs["d_dt"][...] = jnp.sum(d_inc * rate, axis=1)
                 d_inc_dt = d_inc * refs["dt"][...][:, None]
                 refs["d_angles"][...] = d_inc_dt if shared_angles else d_inc_dt * slope
-                refs["d_theta_entry"][...] = chunk_total
+                refs["d_theta_entry"][...] = jnp.sum(d_angle, axis=0)
         for _, start, width in rest:                        # unrotated pieces: one at a time
             dq, dk, x, y = piece_terms(start, width)
             share = write(start, width, dq, dk, x, y)
