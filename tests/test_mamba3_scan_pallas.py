@@ -261,11 +261,12 @@ def test_rotation_in_the_chunk_gradient_launch_runs_only_where_it_applies(N, S, 
     ((2, 37, 4, 2, 64, 3, 16), jnp.float32, {}, dict(rotate_in_chunk_gradients=True), 16, 2e-5),
     ((2, 37, 4, 2, 8, 3, 2), jnp.float32, {}, dict(gradient_kernels=1, **NOT_STORED), 16, 2e-5),
 ], ids=["f32-z", "f32-no-z", "bf16", "f32-rotate-in-chunks", "f32-one-gradient-launch"])
-def test_skip_term_in_the_scores_matches_reference(shape, dtype, options, config, chunk_size, tol):
-    """config.skip_in_scores: γ⟨q̄, k̄⟩ as the scores' diagonal (weight γ/s): every value and cotangent
-    (the scale's and γ's through the weight included)."""
+def test_skip_term_as_a_per_position_weight_matches_reference(shape, dtype, options, config, chunk_size, tol):
+    """config.skip_in_scores=False: skip = D + γ⟨q̄, k̄⟩ as a float32 weight of V per position, its γ·d skip
+    terms in the query/key gradient kernel (the default, γ⟨q̄, k̄⟩ as the scores' diagonal with weight
+    γ/s, is what every other test here runs): every value and cotangent."""
     arrays, states = make_inputs(shape, dtype, seed=24, **options)
-    check_against_reference(arrays, states, chunk_size, tol, Mamba3ScanConfig(skip_in_scores=True, **config))
+    check_against_reference(arrays, states, chunk_size, tol, Mamba3ScanConfig(skip_in_scores=False, **config))
 
 
 def test_stored_products_are_kept_only_for_a_backward():
@@ -481,8 +482,8 @@ def test_keys_with_queries_lowers_for_h200():
     assert text.count("__gpu$xla.gpu.triton") == 9
 
 
-def test_skip_term_in_the_scores_lowers_for_h200():
-    config = Mamba3ScanConfig(skip_in_scores=True)
+def test_skip_term_as_a_per_position_weight_lowers_for_h200():
+    config = Mamba3ScanConfig(skip_in_scores=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
     assert text.count("__gpu$xla.gpu.triton") == 10
 
@@ -738,12 +739,13 @@ def test_gpu_rotation_in_the_chunk_gradient_launches_matches_reference(launches,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shared", [True, False])
-def test_gpu_skip_term_in_the_scores_matches_reference(shared):
-    """skip_in_scores (a sweep candidate, off by default) at the benchmark shape."""
+def test_gpu_skip_term_as_a_per_position_weight_matches_reference(shared):
+    """skip_in_scores=False (the float32 per-position weight; the default is the scores' diagonal) at the
+    benchmark shape."""
     arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=25)
     if shared:
         arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
-    check_against_reference(arrays, states, 64, 2.5e-2, Mamba3ScanConfig(skip_in_scores=True))
+    check_against_reference(arrays, states, 64, 2.5e-2, Mamba3ScanConfig(skip_in_scores=False))
 
 
 @pytest.mark.gpu

@@ -6,15 +6,18 @@ differentiated by JAX): for the padded operands in the kernel layout of config.p
     out, S_final = core(Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, S_0, D)
 
   forward   queries_keys.head_queries_keys_kernel -> per-head q, k̃ in the dot operand dtype and
-                                                     ⟨q̄, k̄⟩, so skip = D + γ⟨q̄, k̄⟩ is one elementwise
-                                                     XLA op (1 kernel)
+                                                     ⟨q̄, k̄⟩ (for dγ and the scale's share); the chunk
+                                                     kernels weight the scores' diagonal by γ/s (default,
+                                                     skip_in_scores) or skip = D + γ⟨q̄, k̄⟩ is one
+                                                     elementwise XLA op (1 kernel)
             state_passes.forward_state_pass   -> states entering every chunk, S_final  (2 kernels)
             chunk_forward.chunk_outputs       -> out                                   (1 kernel)
   backward  state_passes.adjoint_state_pass   -> adjoints leaving every chunk, dS_0    (2 kernels)
             chunk_backward.chunk_gradients    -> dV, dZ, dADT, dskip (the values launch) and, unless
                                                  head_gradients runs, dq, dk̃ (1-3 launches, default 3)
             qk_gradients.query_key_gradients  -> dQ, dK, bias, scale and angle gradients from dq, dk̃,
-                                                 the skip term's ⟨q̄, k̄⟩ gradient included (1 kernel)
+                                                 with skip_in_scores=False the skip term's ⟨q̄, k̄⟩
+                                                 gradient included (1 kernel)
             or, with config.rotate_in_chunk_gradients (head_gradients.fuses_rotation),
             head_gradients.head_query_key_gradients -> dq, dk̃ per chunk and head rotated back in the
                                                  launches that form them (1 or 2 kernels; XLA sums
