@@ -90,10 +90,13 @@ ADT = [DEFAULT_CONFIG, dataclasses.replace(DEFAULT_CONFIG, adt_in_values=False),
 HEAD = [DEFAULT_CONFIG] + [dataclasses.replace(DEFAULT_CONFIG, rotate_in_chunk_gradients=True, **kw) for kw in (
     dict(), dict(num_warps_head_grad=8), dict(head_gradient_launches=1, num_warps_head_grad=8),
     dict(head_gradient_launches=1))]
-# The skip term as the scores' diagonal (session 22, untimed) vs the float32 per-position weight.
-SKIP = [DEFAULT_CONFIG, dataclasses.replace(DEFAULT_CONFIG, skip_in_scores=True)]
+# The skip term as the scores' diagonal (the default since session 23) vs the float32 per-position weight.
+SKIP = [DEFAULT_CONFIG, dataclasses.replace(DEFAULT_CONFIG, skip_in_scores=False)]
+# The walking state passes (session 23): contributions formed inside the walk over the chunks.
+WALK = [DEFAULT_CONFIG] + [dataclasses.replace(DEFAULT_CONFIG, state_passes="walk", **kw) for kw in (
+    dict(), dict(walk_block_p=16), dict(walk_block_p=64), dict(num_warps_walk=8), dict(walk_block_p=64, num_warps_walk=8))]
 SWEEP_SETS = {"all": SWEEP, "stored": [DEFAULT_CONFIG] + SWEEP[-4:], "qk": QK_SWEEP, "qk16": QK16, "adt": ADT,
-              "head": HEAD, "skip": SKIP}
+              "head": HEAD, "skip": SKIP, "walk": WALK}
 
 
 def make_args(bsz, T, dims, dtype=jnp.bfloat16, seed=0, per_head_angles=False):

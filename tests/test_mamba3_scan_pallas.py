@@ -255,6 +255,20 @@ def test_rotation_in_the_chunk_gradient_launch_runs_only_where_it_applies(N, S, 
 
 
 @pytest.mark.parametrize("shape,dtype,options,config,chunk_size,tol", [
+    ((2, 37, 4, 2, 8, 3, 2), jnp.float32, {}, {}, 16, 2e-5),                        # 3 chunks, a padded one
+    ((2, 37, 4, 2, 8, 3, 2), jnp.float32, dict(with_z=False, with_states=False), {}, 16, 2e-5),
+    ((1, 70, 2, 1, 6, 20, 3), jnp.bfloat16, {}, dict(walk_block_p=16), 16, 2e-2),  # 2 row blocks per head
+    ((2, 16, 2, 1, 8, 3, 2), jnp.float32, {}, {}, 16, 2e-5),                        # one chunk
+    ((1, 50, 2, 2, 8, 3, 2), jnp.float16, {}, dict(num_warps_walk=8), 16, 2e-2),
+], ids=["f32-z", "f32-no-z-no-states", "bf16-two-row-blocks", "f32-one-chunk", "f16"])
+def test_walking_state_passes_match_reference(shape, dtype, options, config, chunk_size, tol):
+    """config.state_passes="walk" (each chunk's contribution formed inside the walk over the chunks, in
+    both passes): every value and cotangent, the four states' included."""
+    arrays, states = make_inputs(shape, dtype, seed=26, **options)
+    check_against_reference(arrays, states, chunk_size, tol, Mamba3ScanConfig(state_passes="walk", **config))
+
+
+@pytest.mark.parametrize("shape,dtype,options,config,chunk_size,tol", [
     ((2, 37, 4, 2, 8, 3, 2), jnp.float32, {}, {}, 16, 2e-5),
     ((2, 37, 4, 2, 8, 3, 2), jnp.float32, dict(with_z=False), {}, 16, 2e-5),       # dADT with the keys launch
     ((1, 70, 2, 1, 6, 4, 3), jnp.bfloat16, {}, {}, 32, 2e-2),
@@ -488,6 +502,13 @@ def test_skip_term_as_a_per_position_weight_lowers_for_h200():
     assert text.count("__gpu$xla.gpu.triton") == 10
 
 
+def test_walking_state_passes_lower_for_h200():
+    """state_passes="walk": the contribution kernels and the combines become one launch per pass."""
+    config = Mamba3ScanConfig(state_passes="walk")
+    text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
+    assert text.count("__gpu$xla.gpu.triton") == 8
+
+
 def test_adt_in_the_keys_launch_lowers_for_h200():
     """adt_in_values=False (the default, dADT with the values, is lowered by the tests above)."""
     config = Mamba3ScanConfig(adt_in_values=False)
@@ -586,7 +607,9 @@ def test_kernel_refuses_a_reset_mask_and_a_bad_config():
                                          ("qk_gradient_dtype", "bfloat16"), ("adt_in_values", 1),
                                          ("keys_with_queries", 1), ("rotate_in_chunk_gradients", 1),
                                          ("num_warps_head_grad", 3), ("head_gradient_launches", 3),
-                                         ("skip_in_scores", "no")])
+                                         ("skip_in_scores", "no"),
+                                         ("state_passes", "fused"), ("walk_block_p", 8), ("walk_block_p", 24),
+                                         ("num_warps_walk", 64)])
 def test_bad_config_raises_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         Mamba3ScanConfig(**{field: value}).validate()
@@ -746,6 +769,15 @@ def test_gpu_skip_term_as_a_per_position_weight_matches_reference(shared):
     if shared:
         arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
     check_against_reference(arrays, states, 64, 2.5e-2, Mamba3ScanConfig(skip_in_scores=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,block_p", [((8, 2048, 24, 1, 128, 64, 32), 32), ((32, 512, 24, 1, 128, 64, 32), 64),
+                                           ((2, 200, 4, 2, 32, 48, 8), 16)])
+def test_gpu_walking_state_passes_match_reference(shape, block_p):
+    """state_passes="walk" at the two op shapes of the benchmark and a small odd one."""
+    arrays, states = make_inputs(shape, jnp.bfloat16, seed=27)
+    check_against_reference(arrays, states, 64, 2.5e-2, Mamba3ScanConfig(state_passes="walk", walk_block_p=block_p))
 
 
 @pytest.mark.gpu

@@ -35,6 +35,7 @@ from pallas_kernels.common.sizes import is_power_of_2, largest_power_of_2_at_mos
 STORED_STATE_DTYPES = ("float32", "bfloat16", "dot_operand")
 QK_GRADIENT_DTYPES = ("float32", "dot_operand", "bfloat16_dots")
 ANGLE_SUMS = ("scan", "matmul")
+STATE_PASSES = ("split", "walk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,14 @@ class Mamba3ScanConfig:
       state_block_p: headdim rows per program of the two chunk combines (their grid is
         batch × heads × headdim/state_block_p; each program walks every chunk of its rows).
       num_warps_state: Triton warps of the chunk combines.
+      state_passes: how the states entering every chunk (forward) and the adjoints leaving every chunk
+        (backward) are formed (state_passes.py): "split", a parallel launch of every chunk's own
+        contribution U_c / R_c (float32 [Bt, H, nc, Pp, Np] in HBM) and then a combine that walks the
+        chunks; or "walk", one launch whose programs (batch row, head, walk_block_p headdim rows) form
+        each chunk's contribution with one dot inside the walk over the chunks (the contributions never
+        reach HBM: −2·Bt·H·nc·Pp·Np·4 bytes each way, one launch fewer per pass; the serial chain per
+        program is nc dots long, so it suits few chunks per row, e.g. B=32 T=512).
+      walk_block_p, num_warps_walk: headdim rows per program and Triton warps of the "walk" launches.
       num_warps_local: Triton warps of the per-chunk state / adjoint contribution kernels.
       num_warps_chunk: Triton warps of the forward chunk-output kernel.
       num_warps_grad: Triton warps of the backward chunk-gradient kernel(s).
@@ -126,6 +135,9 @@ class Mamba3ScanConfig:
 
     state_block_p: int = 16
     num_warps_state: int = 4
+    state_passes: str = "split"
+    walk_block_p: int = 32
+    num_warps_walk: int = 4
     num_warps_local: int = 4
     num_warps_chunk: int = 4
     num_warps_grad: int = 4
@@ -152,7 +164,7 @@ class Mamba3ScanConfig:
     skip_in_scores: bool = True
 
     def validate(self) -> "Mamba3ScanConfig":
-        for name in ("state_block_p", "num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad",
+        for name in ("state_block_p", "walk_block_p", "num_warps_walk", "num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad",
                      "num_warps_qk", "num_warps_qk_grad", "num_warps_head_grad", "qk_grad_blocks", "min_width", "min_chunk",
                      "max_chunk"):
             v = getattr(self, name)
@@ -162,7 +174,7 @@ class Mamba3ScanConfig:
             if getattr(self, name) < 16:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be >= 16 (Triton's dots need every dimension >= 16), "
                                  f"got {getattr(self, name)!r}")
-        for name in ("num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad", "num_warps_qk",
+        for name in ("num_warps_state", "num_warps_walk", "num_warps_local", "num_warps_chunk", "num_warps_grad", "num_warps_qk",
                      "num_warps_qk_grad", "num_warps_head_grad"):
             if getattr(self, name) > 32:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be <= 32 (Triton's limit), got {getattr(self, name)!r}")
@@ -176,6 +188,11 @@ class Mamba3ScanConfig:
             raise ValueError(f"Mamba3ScanConfig.head_gradient_launches must be 1 or 2, got {self.head_gradient_launches!r}")
         if type(self.gradient_kernels) is not int or self.gradient_kernels not in (1, 2, 3):
             raise ValueError(f"Mamba3ScanConfig.gradient_kernels must be 1, 2 or 3, got {self.gradient_kernels!r}")
+        if self.state_passes not in STATE_PASSES:
+            raise ValueError(f"Mamba3ScanConfig.state_passes must be one of {STATE_PASSES}, got {self.state_passes!r}")
+        if self.walk_block_p < 16:
+            raise ValueError(f"Mamba3ScanConfig.walk_block_p must be >= 16 (the walk's dot has walk_block_p rows), "
+                             f"got {self.walk_block_p!r}")
         if self.angle_sums not in ANGLE_SUMS:
             raise ValueError(f"Mamba3ScanConfig.angle_sums must be one of {ANGLE_SUMS}, got {self.angle_sums!r}")
         if self.stored_state_dtype not in STORED_STATE_DTYPES:
@@ -304,6 +321,10 @@ class ScanGeometry:
     @property
     def state_block_p(self) -> int:
         return min(self.config.state_block_p, self.padded_headdim)
+
+    @property
+    def walk_block_p(self) -> int:
+        return min(self.config.walk_block_p, self.padded_headdim)
 
     @property
     def qk_gradient_dtype(self):

@@ -21,7 +21,7 @@ Grids are flattened to one axis (common/grid.py), so that every `vmap` of a `pal
 prepends a grid axis) still fits Triton's three; the last-named axis varies fastest:
   chunk grid  program (b, c, h), h fastest: one chunk of one head per program;
   state grid  program (b, h, j): j = block of `state_block_p` headdim rows; each walks all chunks
-              (the combine of state_passes.py);
+              (the combine of state_passes.py; with `walk_block_p` rows, the walking state passes);
   group grid  program (b, c, g, j): c = chunk (or block of a chunk's rows), g = group, j = one of `qk_splits` slices of the
               group's heads; each walks the heads of its slice (the query/key kernels). Per-head
               arrays are viewed as [Bt, Tp, G, splits, heads per slice, ...] (a free reshape); that
@@ -98,13 +98,20 @@ class ChunkGrid:
 
 @dataclasses.dataclass(frozen=True)
 class StateGrid:
-    """Programs (b, h, j) over batch rows, heads and blocks of headdim rows; each walks all chunks."""
+    """Programs (b, h, j) over batch rows, heads and blocks of headdim rows; each walks all chunks.
+    rows: headdim rows per program (0: config.state_block_p, the combines; the walking state passes
+    use config.walk_block_p)."""
 
     geo: ScanGeometry
+    rows: int = 0
+
+    @property
+    def block_p(self):
+        return self.rows or self.geo.state_block_p
 
     @property
     def n_row_blocks(self):
-        return self.geo.padded_headdim // self.geo.state_block_p
+        return self.geo.padded_headdim // self.block_p
 
     @property
     def flat(self) -> FlatGrid:
@@ -127,12 +134,28 @@ class StateGrid:
         return pl.BlockSpec((None, None, self.geo.n_chunks), lambda p: (self.row(p), self.head(p), 0))
 
     def chunk_states(self):
-        return pl.BlockSpec((None, None, self.geo.n_chunks, self.geo.state_block_p, self.geo.padded_state),
+        return pl.BlockSpec((None, None, self.geo.n_chunks, self.block_p, self.geo.padded_state),
                             lambda p: (self.row(p), self.head(p), 0, self.row_block(p), 0))
 
     def state(self):
-        return pl.BlockSpec((None, None, self.geo.state_block_p, self.geo.padded_state),
+        return pl.BlockSpec((None, None, self.block_p, self.geo.padded_state),
                             lambda p: (self.row(p), self.head(p), self.row_block(p), 0))
+
+    def head_sequence_rows(self, width):
+        """[Bt, Tp, H, width] (q, k̃): every position's [width] row of the program's head, [Tp, width]
+        (the walk loads one chunk of it per step)."""
+        return pl.BlockSpec((None, self.geo.padded_seqlen, None, width),
+                            lambda p: (self.row(p), 0, self.head(p), 0))
+
+    def head_sequence_block(self):
+        """[Bt, Tp, H, Pp] (V, Z, d_out): the program's block of headdim columns at every position,
+        [Tp, block_p]."""
+        return pl.BlockSpec((None, self.geo.padded_seqlen, None, self.block_p),
+                            lambda p: (self.row(p), 0, self.head(p), self.row_block(p)))
+
+    def head_sequence(self):
+        """[Bt, Tp, H] (ADT): the program's head at every position, [Tp]."""
+        return pl.BlockSpec((None, self.geo.padded_seqlen, None), lambda p: (self.row(p), 0, self.head(p)))
 
 
 @dataclasses.dataclass(frozen=True)

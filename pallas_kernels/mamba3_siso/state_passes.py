@@ -13,7 +13,9 @@ computes U_c (or R_c) with one tensor-core dot; all chunks in parallel.
 `combine_chunks`: one program per (batch row, head, block of headdim rows) walks the chunks with its
 [rows, Np] float32 tile and does only elementwise work per step (load, multiply-add, store), so the
 sequential chain is short. (A single pass that computed U_c inside the walk was latency bound on the
-H200: every step's dots and reductions sat on the critical path.)
+H200: every step's dots and reductions sat on the critical path, in an early design with float32
+states and 16-row programs.) `walk_chunks` (config.state_passes "walk") is that single pass again,
+with the next chunk's operands prefetched and only the multiply-add on the chain.
 
 Numerics: float32 carry, accumulation and contributions (so the final state only sees the dots'
 operand rounding); dot operands in `matmul_dtype` (bf16 for bf16 activations, as the official
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from pallas_kernels.common.dtypes import F32
 from pallas_kernels.mamba3_siso import layout
@@ -121,11 +124,74 @@ def combine_chunks(geo: ScanGeometry, contributions, decays, boundary, *, revers
     return out["each"], out["last"]
 
 
+def walk_chunks(geo: ScanGeometry, ops: dict, boundary, *, adjoint: bool):
+    """config.state_passes == "walk": the contributions and their combine in one launch.
+
+    One program per (batch row, head, block of walk_block_p headdim rows) walks the chunks (0..nc-1,
+    or nc-1..0 for the adjoint) with its [rows, Np] float32 carry X and, at each, forms the chunk's
+    contribution to its rows with one dot, U_c = (V_c ⊙ e^{cs_end − cs})ᵀ·K̃_c (or R_c = (dY_c ⊙
+    e^{cs})ᵀ·Q_c), stores X (the state entering chunk c, or the adjoint of the state leaving it) and
+    steps X ← e^{cs_end,c}·X + U_c. The next chunk's operands are loaded before this step's dot, so
+    their latency overlaps it; the dot does not depend on X, so only the multiply-add is on the chain.
+    The same sums as chunk_contributions + combine_chunks, with no contribution in HBM (K̃ or Q is
+    read once per row block, i.e. Pp / walk_block_p times, mostly from L2).
+
+    Args: ops as for chunk_contributions; boundary [Bt, H, Pp, Np] f32 (S_0, or ∂L/∂S_final).
+    Returns: as combine_chunks.
+    """
+    grid = layout.StateGrid(geo, rows=geo.walk_block_p)
+    nc, L, mm = geo.n_chunks, geo.chunk, geo.matmul_dtype
+    key = "q" if adjoint else "k"
+    rows_names = ("d_out", "z") if adjoint else ("v",)
+
+    def body(refs):
+        def chunk_at(k):   # the k-th chunk visited
+            return nc - 1 - k if adjoint else k
+
+        def operands(k):   # the raw tiles of the k-th chunk visited (k clamped: a harmless reload)
+            t = pl.ds(chunk_at(jnp.minimum(k, nc - 1)) * L, L)
+            got = {"adt": refs["adt"][t], key: refs[key][t, :]}
+            got.update({n: refs[n][t, :] for n in rows_names if n in refs})
+            return got
+
+        def step(k, carry):
+            x, cur = carry
+            ahead = operands(k + 1)
+            decay = ChunkDecay(cur["adt"])
+            if adjoint:
+                rows = cur["d_out"].astype(F32)
+                if "z" in cur:
+                    z = cur["z"].astype(F32)
+                    rows = rows * z * sigmoid(z)
+                rows = rows * decay.read[:, None]
+            else:
+                rows = cur["v"].astype(F32) * decay.to_end[:, None]
+            local = dot(rows, cur[key], mm, trans_a=True)                  # [rows, Np]
+            refs["each"][chunk_at(k)] = x.astype(refs["each"].dtype)
+            return decay.chunk * x + local, ahead
+
+        refs["last"][...] = jax.lax.fori_loop(0, nc, step, (refs["boundary"][...], operands(0)))[0]
+
+    Np = geo.padded_state
+    inputs = [(key, ops[key], grid.head_sequence_rows(Np)), ("adt", ops["adt"], grid.head_sequence())]
+    inputs += [(n, ops.get(n), grid.head_sequence_block()) for n in rows_names]
+    inputs.append(("boundary", boundary, grid.state()))
+    bsz, H, Pp = geo.batch, geo.heads, geo.padded_headdim
+    outputs = [("each", jax.ShapeDtypeStruct((bsz, H, nc, Pp, Np), geo.stored_state_dtype), grid.chunk_states()),
+               ("last", jax.ShapeDtypeStruct((bsz, H, Pp, Np), F32), grid.state())]
+    out = layout.launch(body, geo, grid, inputs, outputs,
+                        "mamba3_siso_bwd_adjoint_walk" if adjoint else "mamba3_siso_fwd_state_walk",
+                        geo.config.num_warps_walk)
+    return out["each"], out["last"]
+
+
 def forward_state_pass(geo: ScanGeometry, ops: dict):
     """(states entering every chunk [Bt, H, nc, Pp, Np], final state [Bt, H, Pp, Np] f32).
 
     ops: as for chunk_contributions(adjoint=False), plus s0 [Bt, H, Pp, Np] f32 (S_0).
     """
+    if geo.config.state_passes == "walk":
+        return walk_chunks(geo, ops, ops["s0"], adjoint=False)
     local = chunk_contributions(geo, ops, adjoint=False)
     return combine_chunks(geo, local, chunk_decays(geo, ops["adt"]), ops["s0"], reverse=False)
 
@@ -136,5 +202,7 @@ def adjoint_state_pass(geo: ScanGeometry, ops: dict, d_final):
 
     ops: as for chunk_contributions(adjoint=True); d_final: [Bt, H, Pp, Np] f32 ∂L/∂S_final.
     """
+    if geo.config.state_passes == "walk":
+        return walk_chunks(geo, ops, d_final, adjoint=True)
     local = chunk_contributions(geo, ops, adjoint=True)
     return combine_chunks(geo, local, chunk_decays(geo, ops["adt"]), d_final, reverse=True)
