@@ -262,10 +262,21 @@ def test_rotation_in_the_chunk_gradient_launch_runs_only_where_it_applies(N, S, 
     ((1, 50, 2, 2, 8, 3, 2), jnp.float16, {}, dict(num_warps_walk=8), 16, 2e-2),
 ], ids=["f32-z", "f32-no-z-no-states", "bf16-two-row-blocks", "f32-one-chunk", "f16"])
 def test_walking_state_passes_match_reference(shape, dtype, options, config, chunk_size, tol):
-    """config.state_passes="walk" (each chunk's contribution formed inside the walk over the chunks, in
-    both passes): every value and cotangent, the four states' included."""
+    """config.state_passes="walk" (the default: each chunk's contribution formed inside the walk over the
+    chunks, in both passes) at several row blocks and warps: every value and cotangent, the four
+    states' included."""
     arrays, states = make_inputs(shape, dtype, seed=26, **options)
     check_against_reference(arrays, states, chunk_size, tol, Mamba3ScanConfig(state_passes="walk", **config))
+
+
+@pytest.mark.parametrize("shape,dtype,config,tol", [
+    ((2, 37, 4, 2, 8, 3, 2), jnp.float32, {}, 2e-5),
+    ((1, 70, 2, 1, 6, 20, 3), jnp.bfloat16, dict(state_block_p=16, num_warps_state=8), 2e-2),
+], ids=["f32", "bf16"])
+def test_split_state_passes_match_reference(shape, dtype, config, tol):
+    """config.state_passes="split" (a parallel contribution launch, then a combine, per pass)."""
+    arrays, states = make_inputs(shape, dtype, seed=28)
+    check_against_reference(arrays, states, 16, tol, Mamba3ScanConfig(state_passes="split", **config))
 
 
 @pytest.mark.parametrize("shape,dtype,options,config,chunk_size,tol", [
@@ -456,21 +467,21 @@ def _lower_for_h200(shape, dtype, *, with_z=True, config=None):
 
 
 @pytest.mark.parametrize("shape,dtype,with_z,config,launches", [
-    ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True, None, 10),              # the benchmark shape
+    ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True, None, 8),              # the benchmark shape
     # the queries' and keys' gradients rotated back in their chunk launches (head_gradients.py)
-    ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True, ROTATE_IN_CHUNKS, 9),
+    ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True, ROTATE_IN_CHUNKS, 7),
     ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True,
-     dataclasses.replace(ROTATE_IN_CHUNKS, head_gradient_launches=1), 8),
-    ((2, 70, 6, 3, 7, 20, 1), jnp.float32, False, None, 10),      # padding everywhere, groups, no Z
-    ((1, 64, 2, 1, 16, 64, 8), jnp.float16, True, None, 10),      # rope_fraction 1.0, f16 dots, 8-wide pieces
+     dataclasses.replace(ROTATE_IN_CHUNKS, head_gradient_launches=1), 6),
+    ((2, 70, 6, 3, 7, 20, 1), jnp.float32, False, None, 8),      # padding everywhere, groups, no Z
+    ((1, 64, 2, 1, 16, 64, 8), jnp.float16, True, None, 8),      # rope_fraction 1.0, f16 dots, 8-wide pieces
     ((2, 64, 4, 2, 64, 20, 16), jnp.float32, True,
-     dataclasses.replace(ROTATE_IN_CHUNKS, angle_sums="matmul", num_warps_head_grad=8), 9),
+     dataclasses.replace(ROTATE_IN_CHUNKS, angle_sums="matmul", num_warps_head_grad=8), 7),
 ], ids=["perf-shape-bf16", "perf-shape-bf16-head-launches", "perf-shape-bf16-one-head-launch", "odd-shape-f32", "fullrope-f16", "f32-head-grad-matmul"])
 def test_kernels_lower_to_triton_for_h200(shape, dtype, with_z, config, launches):
     text = _lower_for_h200(shape, dtype, with_z=with_z, config=config)
-    # forward: queries/keys, chunk states, state combine, chunk outputs; backward: chunk adjoints,
-    # adjoint combine, then the values launch and the queries' and keys' head gradient launches (9; one
-    # launch for both: 8), or the values, keys and queries launches and the query/key gradient kernel (10)
+    # forward: queries/keys, the state walk, chunk outputs; backward: the adjoint walk, then the values
+    # launch and the queries' and keys' head gradient launches (7; one launch for both: 6), or the values,
+    # keys and queries launches and the query/key gradient kernel (8); state_passes="split" adds two
     assert text.count("__gpu$xla.gpu.triton") == launches
 
 
@@ -478,7 +489,7 @@ def test_angle_sums_by_matmul_lower_for_h200():
     """Mamba3ScanConfig(angle_sums="matmul"): the triangular dots in both query/key kernels lower."""
     config = Mamba3ScanConfig(angle_sums="matmul", rotate_in_chunk_gradients=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 10
+    assert text.count("__gpu$xla.gpu.triton") == 8
 
 
 def test_query_key_gradient_blocks_lower_for_h200():
@@ -487,47 +498,47 @@ def test_query_key_gradient_blocks_lower_for_h200():
     config = Mamba3ScanConfig(qk_grad_blocks=4, num_warps_qk_grad=16, qk_gradient_dtype="float32",
                               rotate_in_chunk_gradients=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 10
+    assert text.count("__gpu$xla.gpu.triton") == 8
 
 
 def test_keys_with_queries_lowers_for_h200():
     config = Mamba3ScanConfig(keys_with_queries=True, rotate_in_chunk_gradients=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 9
+    assert text.count("__gpu$xla.gpu.triton") == 7
 
 
 def test_skip_term_as_a_per_position_weight_lowers_for_h200():
     config = Mamba3ScanConfig(skip_in_scores=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 10
-
-
-def test_walking_state_passes_lower_for_h200():
-    """state_passes="walk": the contribution kernels and the combines become one launch per pass."""
-    config = Mamba3ScanConfig(state_passes="walk")
-    text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
     assert text.count("__gpu$xla.gpu.triton") == 8
+
+
+def test_split_state_passes_lower_for_h200():
+    """state_passes="split": each pass is a contribution launch and a combine (the default walk is one)."""
+    config = Mamba3ScanConfig(state_passes="split")
+    text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
+    assert text.count("__gpu$xla.gpu.triton") == 10
 
 
 def test_adt_in_the_keys_launch_lowers_for_h200():
     """adt_in_values=False (the default, dADT with the values, is lowered by the tests above)."""
     config = Mamba3ScanConfig(adt_in_values=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 10
+    assert text.count("__gpu$xla.gpu.triton") == 8
 
 
 def test_stored_for_keys_lowers_for_h200():
     """(The default, scores and ungated Y stored for the values launch, is lowered by the tests above.)"""
     config = Mamba3ScanConfig(stored_for_keys=True, rotate_in_chunk_gradients=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 10
+    assert text.count("__gpu$xla.gpu.triton") == 8
 
 
 @pytest.mark.parametrize("kernels", [1, 2])
 def test_one_or_two_gradient_launches_lower_for_h200(kernels):
     config = Mamba3ScanConfig(gradient_kernels=kernels, stored_state_dtype="float32", num_warps_grad=8, **NOT_STORED)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 7 + kernels
+    assert text.count("__gpu$xla.gpu.triton") == 5 + kernels
 
 
 def test_abstract_lowering_rejects_what_triton_cannot_lower():
@@ -761,6 +772,13 @@ def test_gpu_rotation_in_the_chunk_gradient_launches_matches_reference(launches,
 
 
 @pytest.mark.gpu
+def test_gpu_split_state_passes_match_reference():
+    """state_passes="split" (the contribution launches and combines) at the benchmark shape."""
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=29)
+    check_against_reference(arrays, states, 64, 2.5e-2, Mamba3ScanConfig(state_passes="split"))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shared", [True, False])
 def test_gpu_skip_term_as_a_per_position_weight_matches_reference(shared):
     """skip_in_scores=False (the float32 per-position weight; the default is the scores' diagonal) at the
@@ -775,7 +793,8 @@ def test_gpu_skip_term_as_a_per_position_weight_matches_reference(shared):
 @pytest.mark.parametrize("shape,block_p", [((8, 2048, 24, 1, 128, 64, 32), 32), ((32, 512, 24, 1, 128, 64, 32), 64),
                                            ((2, 200, 4, 2, 32, 48, 8), 16)])
 def test_gpu_walking_state_passes_match_reference(shape, block_p):
-    """state_passes="walk" at the two op shapes of the benchmark and a small odd one."""
+    """state_passes="walk" (the default, 64 rows) at the two op shapes of the benchmark and a small odd
+    one, at several row blocks."""
     arrays, states = make_inputs(shape, jnp.bfloat16, seed=27)
     check_against_reference(arrays, states, 64, 2.5e-2, Mamba3ScanConfig(state_passes="walk", walk_block_p=block_p))
 

@@ -47,13 +47,15 @@ class Mamba3ScanConfig:
         batch × heads × headdim/state_block_p; each program walks every chunk of its rows).
       num_warps_state: Triton warps of the chunk combines.
       state_passes: how the states entering every chunk (forward) and the adjoints leaving every chunk
-        (backward) are formed (state_passes.py): "split", a parallel launch of every chunk's own
-        contribution U_c / R_c (float32 [Bt, H, nc, Pp, Np] in HBM) and then a combine that walks the
-        chunks; or "walk", one launch whose programs (batch row, head, walk_block_p headdim rows) form
-        each chunk's contribution with one dot inside the walk over the chunks (the contributions never
-        reach HBM: −2·Bt·H·nc·Pp·Np·4 bytes each way, one launch fewer per pass; the serial chain per
-        program is nc dots long, so it suits few chunks per row, e.g. B=32 T=512).
-      walk_block_p, num_warps_walk: headdim rows per program and Triton warps of the "walk" launches.
+        (backward) are formed (state_passes.py): "walk" (the default since session 23), one launch
+        whose programs (batch row, head, walk_block_p headdim rows) form each chunk's contribution with
+        one dot inside the walk over the chunks (the contributions never reach HBM, one launch fewer
+        per pass; H200: op kernel sum −170 µs at B=32 T=512, −138 µs at B=8 T=2048 with 64 rows); or
+        "split", a parallel launch of every chunk's own contribution U_c / R_c (float32
+        [Bt, H, nc, Pp, Np] in HBM) and then a combine that walks the chunks.
+      walk_block_p, num_warps_walk: headdim rows per program (at most Pp are used) and Triton warps of
+        the "walk" launches (64 rows: one program per head, K̃ / Q read once; 32 rows was slower, +93 µs
+        at B=32 T=512).
       num_warps_local: Triton warps of the per-chunk state / adjoint contribution kernels.
       num_warps_chunk: Triton warps of the forward chunk-output kernel.
       num_warps_grad: Triton warps of the backward chunk-gradient kernel(s).
@@ -135,8 +137,8 @@ class Mamba3ScanConfig:
 
     state_block_p: int = 16
     num_warps_state: int = 4
-    state_passes: str = "split"
-    walk_block_p: int = 32
+    state_passes: str = "walk"
+    walk_block_p: int = 64
     num_warps_walk: int = 4
     num_warps_local: int = 4
     num_warps_chunk: int = 4
@@ -227,7 +229,9 @@ class Mamba3ScanConfig:
 # train step 94.8 -> 87.7 ms for +3.4 GiB; session 16), not for the keys launch (no gain: its float32
 # scores slow the values launch and the forward as much as they speed the keys launch); dq, dk̃ between
 # the chunk-gradient launches and the query/key gradient kernel in bf16 when the dots are, and dADT
-# formed by the values launch from the stored products (session 17).
+# formed by the values launch from the stored products (session 17); the skip term's γ⟨q̄, k̄⟩ as the
+# scores' diagonal and the state passes walking the chunks with their contributions' dots inside, 64
+# headdim rows per program (session 23, separate calls: train step 83.8–85.5 -> 76.8–77.9 ms).
 DEFAULT_CONFIG = Mamba3ScanConfig()
 
 

@@ -1,4 +1,5 @@
-"""The chunked Mamba-3 SISO core behind one `jax.custom_vjp`: four kernels forward, four to six backward.
+"""The chunked Mamba-3 SISO core behind one `jax.custom_vjp`: three kernels forward, three to five backward
+(the default; config.state_passes "split" adds one to each).
 
 What the core computes (everything around it, elementwise or small, is plain JAX in scan.py and
 differentiated by JAX): for the padded operands in the kernel layout of config.py,
@@ -10,9 +11,9 @@ differentiated by JAX): for the padded operands in the kernel layout of config.p
                                                      kernels weight the scores' diagonal by γ/s (default,
                                                      skip_in_scores) or skip = D + γ⟨q̄, k̄⟩ is one
                                                      elementwise XLA op (1 kernel)
-            state_passes.forward_state_pass   -> states entering every chunk, S_final  (2 kernels)
+            state_passes.forward_state_pass   -> states entering every chunk, S_final  (1 kernel; 2 split)
             chunk_forward.chunk_outputs       -> out                                   (1 kernel)
-  backward  state_passes.adjoint_state_pass   -> adjoints leaving every chunk, dS_0    (2 kernels)
+  backward  state_passes.adjoint_state_pass   -> adjoints leaving every chunk, dS_0    (1 kernel; 2 split)
             chunk_backward.chunk_gradients    -> dV, dZ, dADT, dskip (the values launch) and, unless
                                                  head_gradients runs, dq, dk̃ (1-3 launches, default 3)
             qk_gradients.query_key_gradients  -> dQ, dK, bias, scale and angle gradients from dq, dk̃,
