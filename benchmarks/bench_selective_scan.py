@@ -95,8 +95,13 @@ SWEEP_PARALLEL = [
 SWEEP_MOSAIC = [_D, dataclasses.replace(_D, fwd_mosaic=True), dataclasses.replace(_D, fwd_mosaic=True, chunk=128),
                 dataclasses.replace(_D, fwd_mosaic=True, chunk=32), dataclasses.replace(_D, bwd_mosaic=True),
                 dataclasses.replace(_D, fwd_mosaic=True, bwd_mosaic=True)]
+# `--sweep-set prefetch`: the backward kernels' rows loaded one sub-chunk ahead (session 23, not yet timed),
+# at the default sub-chunk and at 1 and 4 (the prefetch gives a short sub-chunk its latency cover).
+SWEEP_PREFETCH = [_D, dataclasses.replace(_D, bwd_prefetch_rows=True),
+                  dataclasses.replace(_D, bwd_prefetch_rows=True, bwd_sub_chunk=1),
+                  dataclasses.replace(_D, bwd_prefetch_rows=True, bwd_sub_chunk=4)]
 SWEEP_SETS = {"default": SWEEP, "backward": SWEEP_BACKWARD, "sub-chunk": SWEEP_SUB_CHUNK,
-              "parallel": SWEEP_PARALLEL, "mosaic": SWEEP_MOSAIC}
+              "parallel": SWEEP_PARALLEL, "mosaic": SWEEP_MOSAIC, "prefetch": SWEEP_PREFETCH}
 
 
 def make_args(shape, dtype=jnp.bfloat16, seed=0):

@@ -36,6 +36,7 @@
 #                                                  the same with the optimized HLO of the op's fwd+bwd packed)
 #                                                  m3_qk16 m3_prof16 e2e3_qk16 (dq, dk̃ in bf16, the default, vs float32:
 #                                                  op sweep, per-kernel profiles of the op, train step with profile)
+# m1_prefetch: the Mamba-1 backward rows loaded a sub-chunk ahead (its GPU test, op sweep, train step).
 # m3_walk / e2e3_walk: the walking state passes (profiles at both op shapes, GPU tests; train step).
 # pack_logs: every log in $OUT into logs.tgz (the device tool returns at most 8 files).
 # cache_restore / cache_save: the Triton (official kernels) and JAX compilation caches, unpacked from
@@ -165,6 +166,9 @@ for s in $stages; do case $s in
   e2e1_prof)   run e2e_mamba1_profile 170 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --profile 3 ;;
   mixer_bench) run mamba1_mixer_bench 200 python3 benchmarks/bench_mamba1_mixer.py ;;
   scan_sweep)  run scan_sweep_sub_chunk 240 python3 benchmarks/bench_selective_scan.py --sweep --sweep-set sub-chunk --shapes b8t2048 --impls pallas --iters 10 ;;
+  m1_prefetch) run gpu_tests_m1_prefetch 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_selective_scan_pallas.py -k prefetching -rA ;
+               run scan_sweep_prefetch 240 python3 benchmarks/bench_selective_scan.py --sweep --sweep-set prefetch --shapes b8t2048 --impls pallas --iters 10 ;
+               run e2e_mamba1_prefetch 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze --scan-config bwd_prefetch_rows=True ;;
   scan_parallel) run scan_sweep_parallel 240 python3 benchmarks/bench_selective_scan.py --sweep --sweep-set parallel --shapes b8t2048 --impls pallas --iters 10 ;;
   e2e1p)       run e2e_mamba1 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 ;;
   e2e3p)       run e2e_mamba3 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 ;;

@@ -193,6 +193,22 @@ def test_reusing_the_forward_walks_decays_is_bit_identical(sub):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.parametrize("sub,dtype,with_reset", [(2, jnp.bfloat16, True), (4, jnp.float32, False), (1, jnp.float16, True)])
+def test_prefetching_the_backwards_rows_is_bit_identical(sub, dtype, with_reset):
+    """`bwd_prefetch_rows` only loads the next sub-chunk's rows earlier: same values, bit for bit
+    (time padding, several chunks and sub-chunks, resets or none)."""
+    args, reset = make_inputs((2, 37, 8, 5, 2), dtype, with_reset=with_reset)
+    base = ScanBlockConfig(block_d=4, chunk=16, fwd_unroll=2, bwd_sub_chunk=sub)
+    present = tuple(k for k in NAMES if args[k] is not None)
+    arrays = tuple(args[k] for k in present)
+    d_out, d_last = cotangents(args)
+    off = _value_and_vjp(_pallas(base), True, present, arrays, reset, d_out, d_last)
+    on = _value_and_vjp(_pallas(dataclasses.replace(base, bwd_prefetch_rows=True)), True, present, arrays, reset,
+                        d_out, d_last)
+    for a, b in zip(jax.tree.leaves(off), jax.tree.leaves(on)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 @pytest.mark.parametrize("shape,dtype,with_reset", [
     ((2, 37, 8, 5, 1), jnp.float32, True),       # time padding, resets
     ((2, 64, 16, 4, 2), jnp.bfloat16, False),     # groups
@@ -261,7 +277,9 @@ def _lower_for_h200(shape, dtype, config, *, with_reset):
     ((2, 70, 12, 5, 2), jnp.float32, TINY, True),                           # padding, groups, resets
     ((8, 2048, 1536, 16, 1), jnp.bfloat16, ScanBlockConfig(bwd_reuse_decay=False), False),
     ((8, 2048, 1536, 16, 1), jnp.bfloat16, ScanBlockConfig(fwd_parallel=True), True),
-], ids=["perf-shape-default", "odd-shape-reset", "perf-shape-no-reuse-decay", "perf-shape-parallel-forward"])
+    ((8, 2048, 1536, 16, 1), jnp.bfloat16, ScanBlockConfig(bwd_prefetch_rows=True), True),
+], ids=["perf-shape-default", "odd-shape-reset", "perf-shape-no-reuse-decay", "perf-shape-parallel-forward",
+        "perf-shape-prefetch-rows"])
 def test_kernels_lower_to_triton_for_h200(shape, dtype, config, with_reset):
     text = _lower_for_h200(shape, dtype, config, with_reset=with_reset)
     # forward: summaries, combine, outputs; backward: adjoint summaries, adjoint combine, gradients
@@ -371,6 +389,16 @@ def test_gpu_two_runs_are_bit_identical_at_the_perf_shape():
     _, first, _ = run_both(args, None, None)
     _, second, _ = run_both(args, None, None)
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.gpu
+def test_gpu_prefetching_the_backwards_rows_is_bit_identical_at_the_perf_shape():
+    """bwd_prefetch_rows (not yet the default) changes when rows are loaded, not what is computed."""
+    args, _ = make_inputs((8, 2048, 1536, 16, 1), jnp.bfloat16)
+    _, off, _ = run_both(args, None, None)
+    _, on, _ = run_both(args, None, ScanBlockConfig(bwd_prefetch_rows=True))
+    for a, b in zip(jax.tree.leaves(off), jax.tree.leaves(on)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

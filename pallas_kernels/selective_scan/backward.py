@@ -36,13 +36,19 @@ from pallas_kernels.selective_scan.forward import RowReader, common_inputs
 from pallas_kernels.selective_scan.kernel_math import LN_2, decay, sigmoid, softplus_thresholded_grad
 
 
+# the per-channel rows each backward kernel loads one sub-chunk ahead with config.bwd_prefetch_rows
+ADJOINT_ROWS = ("delta", "d_out", "z")
+GRADIENT_ROWS = ("delta", "u", "d_out", "z")
 
-def output_gradient(rd: RowReader, t, has_z):
-    """(Gy_t = d_out_t·silu(z_t), d_out_t, z_t, σ(z_t)) as float32 rows; z parts None without z."""
-    d_out = rd.row("d_out", t)
+
+def output_gradient(rd: RowReader, t, has_z, loaded=None):
+    """(Gy_t = d_out_t·silu(z_t), d_out_t, z_t, σ(z_t)) as float32 rows; z parts None without z.
+    loaded: {name: row} already loaded (RowReader.load_rows), or None to load them now."""
+    loaded = loaded or {}
+    d_out = rd.row("d_out", t, loaded.get("d_out"))
     if not has_z:
         return d_out, d_out, None, None
-    z = rd.row("z", t)
+    z = rd.row("z", t, loaded.get("z"))
     sz = sigmoid(z)
     return d_out * z * sz, d_out, z, sz
 
@@ -62,28 +68,37 @@ def adjoint_summaries(problem: ScanProblem, ops: dict):
     cfg = problem.config
     bsz = ops["delta"].shape[0]
     n, bd, sub, nk = problem.n, cfg.block_d, cfg.bwd_sub_chunk, problem.n_sub_chunks
+    prefetch = cfg.bwd_prefetch_rows
     grid = problem.grid(bsz)
 
     def body(refs):
         rd = RowReader(problem, grid, refs)
         A = rd.load("A_t").astype(F32)
 
+        def sub_rows(k):   # the rows of sub-chunk k (clamped: a harmless reload past the end)
+            k = jnp.clip(k, 0, nk - 1)
+            return rd.load_rows(ADJOINT_ROWS, [k * sub + i for i in range(sub)])
+
         def sub_chunk(kk, carry):
-            c, right_delta = carry
+            c, right_delta, loaded = carry
             k = nk - 1 - kk
+            ahead = sub_rows(k - 1) if prefetch else None
             rd.store("sub_adjoint", c, k)
             rd.store("sub_right_delta", right_delta, k)
             ts = [k * sub + i for i in range(sub)]
-            rows = [(t, output_gradient(rd, t, problem.has_z)[0], rd.delta(t), rd.prefetch_state_row("C", t),
-                     rd.keep(t)) for t in ts]
+            got = loaded if prefetch else [None] * sub
+            rows = [(t, output_gradient(rd, t, problem.has_z, g)[0],
+                     rd.delta(t, rd.delta_raw(t, (g or {}).get("delta"))), rd.prefetch_state_row("C", t),
+                     rd.keep(t)) for t, g in zip(ts, got)]
             for t, gy, dl, cr, keep in reversed(rows):
                 cr = rd.state_row("C", t, cr)
                 dh = gy[None, :] * cr[:, None] + c
                 c = decay(dl, A, keep) * dh
                 right_delta = right_delta + dl
-            return c, right_delta
+            return c, right_delta, ahead
 
-        c, _ = jax.lax.fori_loop(0, nk, sub_chunk, (jnp.zeros((n, bd), F32), jnp.zeros((bd,), F32)))
+        first = sub_rows(nk - 1) if prefetch else None
+        c, _, _ = jax.lax.fori_loop(0, nk, sub_chunk, (jnp.zeros((n, bd), F32), jnp.zeros((bd,), F32), first))
         rd.store("R", c)
 
     nc = problem.n_chunks
@@ -121,6 +136,7 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
     bsz, _, d = ops["u"].shape
     n, bd, sub, nk, nc = problem.n, cfg.block_d, cfg.bwd_sub_chunk, problem.n_sub_chunks, problem.n_chunks
     has_z, has_D, softplus = problem.has_z, problem.has_D, problem.softplus
+    prefetch = cfg.bwd_prefetch_rows
     grid = problem.grid(bsz)
 
     def body(refs):
@@ -129,14 +145,20 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
         D = rd.load("D").astype(F32) if has_D else None
         G = rd.load("G")
 
+        def sub_rows(k):   # the rows of sub-chunk k (clamped: a harmless reload past the end)
+            k = jnp.minimum(k, nk - 1)
+            return rd.load_rows(GRADIENT_ROWS, [k * sub + i for i in range(sub)])
+
         def sub_chunk(k, carry):
-            h, dA, dD, d_bias = carry
+            h, dA, dD, d_bias, loaded = carry
+            ahead = sub_rows(k + 1) if prefetch else None
             ts = [k * sub + i for i in range(sub)]
             rows = []
-            for t in ts:
-                raw = rd.delta_raw(t)
-                gy, d_out, z, sz = output_gradient(rd, t, has_z)
-                rows.append(dict(t=t, raw=raw, dl=rd.delta(t, raw), u=rd.row("u", t), keep=rd.keep(t), gy=gy,
+            for t, g in zip(ts, loaded if prefetch else [{}] * sub):
+                raw = rd.delta_raw(t, g.get("delta"))
+                gy, d_out, z, sz = output_gradient(rd, t, has_z, g)
+                rows.append(dict(t=t, raw=raw, dl=rd.delta(t, raw), u=rd.row("u", t, g.get("u")), keep=rd.keep(t),
+                                 gy=gy,
                                  d_out=d_out, z=z, sz=sz, b=rd.prefetch_state_row("B", t),
                                  c=rd.prefetch_state_row("C", t)))
             # Forward over the sub-chunk, keeping every state (registers: sub × [n, block_d]).
@@ -183,11 +205,12 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
                     row_stores.append(("dz", t, r["d_out"] * y * (sz * (1.0 + z * (1.0 - sz)))))
             for name, t, value in row_stores:
                 rd.store(name, value, t)
-            return states[-1], dA, dD, d_bias
+            return states[-1], dA, dD, d_bias, ahead
 
         zeros_row = jnp.zeros((bd,), F32)
-        _, dA, dD, d_bias = jax.lax.fori_loop(
-            0, nk, sub_chunk, (rd.load("H"), jnp.zeros((n, bd), F32), zeros_row, zeros_row))
+        first = sub_rows(0) if prefetch else None
+        _, dA, dD, d_bias, _ = jax.lax.fori_loop(
+            0, nk, sub_chunk, (rd.load("H"), jnp.zeros((n, bd), F32), zeros_row, zeros_row, first))
         rd.store("dA_partial", dA)
         if has_D:
             rd.store("dD_partial", dD)

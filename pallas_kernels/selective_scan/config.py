@@ -45,6 +45,12 @@ class ScanBlockConfig:
         for the reverse walk (bwd_sub_chunk more [n, block_d] tiles in registers, one exp2 per
         element instead of two). Bit-identical results either way; on since 2026-12-01 (op sweep fwd+bwd
         2.88 vs 3.15 ms at B=8 T=2048, within the ~10% spread; no measurable change in the train step).
+      bwd_prefetch_rows: both backward kernels load the next sub-chunk's per-channel rows (delta,
+        d_out, z and, in the gradients kernel, u; in the input dtype) before computing the current one,
+        carried through the time loop, so their global-memory latency overlaps a sub-chunk of work
+        (Nsight Compute put 58% of the adjoint summaries kernel's stalls on these loads; the Mamba-3
+        walking state passes reached their byte floor this way). Bit-identical results either way;
+        off until timed on the H200.
       fwd_parallel: the forward's chunk-outputs pass as a parallel prefix over time
         (forward_parallel.py) instead of a serial walk per lane; off until timed on the GPU.
       parallel_num_warps: Triton warps of that kernel (its [chunk, block_d] tiles are spread over them).
@@ -72,6 +78,7 @@ class ScanBlockConfig:
     prefetch_bc: bool = False
     hide_channel_alignment: bool = True
     bwd_reuse_decay: bool = True
+    bwd_prefetch_rows: bool = False
     fwd_parallel: bool = False
     parallel_num_warps: int = 4
     fwd_mosaic: bool = False
@@ -91,7 +98,8 @@ class ScanBlockConfig:
             if self.chunk % getattr(self, name):
                 raise ValueError(f"ScanBlockConfig.chunk ({self.chunk}) must be a multiple of {name} "
                                  f"({getattr(self, name)})")
-        for name in ("prefetch_bc", "hide_channel_alignment", "bwd_reuse_decay", "fwd_parallel", "fwd_mosaic",
+        for name in ("prefetch_bc", "hide_channel_alignment", "bwd_reuse_decay", "bwd_prefetch_rows", "fwd_parallel",
+                     "fwd_mosaic",
                      "bwd_mosaic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ScanBlockConfig.{name} must be a bool, got {getattr(self, name)!r}")

@@ -66,8 +66,9 @@ class RowReader(ChannelAccess):
         self.bias = self.load("bias").astype(F32) if problem.has_bias else None
         self.chunk_start = grid.chunk(pl.program_id(0)) * problem.config.chunk
 
-    def delta_raw(self, t):
-        x = self.load("delta", t).astype(F32)
+    def delta_raw(self, t, loaded=None):
+        """δ before softplus, biased, float32; `loaded`: the row already loaded (its input dtype)."""
+        x = (self.load("delta", t) if loaded is None else loaded).astype(F32)
         return x if self.bias is None else x + self.bias
 
     def delta(self, t, raw=None):
@@ -78,8 +79,13 @@ class RowReader(ChannelAccess):
             dl = jnp.where(self.chunk_start + t < self.p.seqlen, dl, 0.0)
         return dl
 
-    def row(self, name, t):
-        return self.load(name, t).astype(F32)
+    def row(self, name, t, loaded=None):
+        return (self.load(name, t) if loaded is None else loaded).astype(F32)
+
+    def load_rows(self, names, ts):
+        """[{name: row}] per step t of `ts`: the per-channel rows of `names` present in this kernel, in
+        their input dtype, loaded now so a later sub-chunk can use them (config.bwd_prefetch_rows)."""
+        return [{n: self.load(n, t) for n in names if n in self.refs} for t in ts]
 
     def prefetch_state_row(self, name, t):
         """B_t / C_t in the input dtype if the config prefetches them, else None (loaded at use)."""
