@@ -93,8 +93,9 @@ HEAD = [DEFAULT_CONFIG] + [dataclasses.replace(DEFAULT_CONFIG, rotate_in_chunk_g
 # The skip term as the scores' diagonal (the default since session 23) vs the float32 per-position weight.
 SKIP = [DEFAULT_CONFIG, dataclasses.replace(DEFAULT_CONFIG, skip_in_scores=False)]
 # The walking state passes (session 23): contributions formed inside the walk over the chunks.
-WALK = [DEFAULT_CONFIG] + [dataclasses.replace(DEFAULT_CONFIG, state_passes="walk", **kw) for kw in (
-    dict(), dict(walk_block_p=16), dict(walk_block_p=64), dict(num_warps_walk=8), dict(walk_block_p=64, num_warps_walk=8))]
+# The default since session 23 (walk, 64 rows) against the split passes and other row blocks / warps.
+WALK = [DEFAULT_CONFIG] + [dataclasses.replace(DEFAULT_CONFIG, **kw) for kw in (
+    dict(state_passes="split"), dict(walk_block_p=16), dict(walk_block_p=32), dict(num_warps_walk=8))]
 SWEEP_SETS = {"all": SWEEP, "stored": [DEFAULT_CONFIG] + SWEEP[-4:], "qk": QK_SWEEP, "qk16": QK16, "adt": ADT,
               "head": HEAD, "skip": SKIP, "walk": WALK}
 
@@ -214,6 +215,10 @@ def stage_breakdown(shape, dims, chunk, config, iters, workers):
     Every stage is lowered from abstract shapes and compiled in parallel first, then run in order,
     each feeding the next. The XLA stages are the glue before the core (prep) and its VJP (the glue
     backward); every other stage is one or more Pallas launches.
+
+    It times the split state passes (contributions + combine) and the skip term as a per-position weight
+    of V, whatever `config` says about state_passes / skip_in_scores (the defaults since session 23 are
+    the walk and the scores' diagonal): use `profile_kernels.py` for the default launches.
     """
     from pallas_kernels.mamba3_siso import chunk_backward, chunk_forward, core, qk_gradients, state_passes
     from pallas_kernels.mamba3_siso.queries_keys import head_queries_keys_kernel as queries_keys_kernel
@@ -313,7 +318,11 @@ def _short(cfg):
             f"qk-splits{cfg.qk_head_splits} qk-grad-blocks{cfg.qk_grad_blocks} dqk-{cfg.qk_gradient_dtype} "
             f"angle-sums-{cfg.angle_sums}" + (" stored-scores" if cfg.stored_scores else "")
             + (" stored-ungated" if cfg.stored_ungated else "") + (" stored-for-keys" if cfg.stored_for_keys else "")
-            + (" adt-in-values" if cfg.adt_in_values else "") + (" keys-with-queries" if cfg.keys_with_queries else ""))
+            + (" adt-in-values" if cfg.adt_in_values else "") + (" keys-with-queries" if cfg.keys_with_queries else "")
+            + (" skip-in-scores" if cfg.skip_in_scores else "")
+            + (" rotate-in-chunks" if cfg.rotate_in_chunk_gradients else "")
+            + (f" walk-rows{cfg.walk_block_p}-warps{cfg.num_warps_walk}" if cfg.state_passes == "walk"
+               else " split-passes"))
 
 
 def main(argv=None):

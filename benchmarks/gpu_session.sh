@@ -24,8 +24,8 @@
 #                                                  m3_qk (the query/key kernels' knobs: op sweep at both shapes)
 #                                                  m3_head m3_head_bench (the rotation in the chunk-gradient launch vs the
 #                                                  query/key gradient kernel: profiles, op sweep)
-#                                                  m3_skip e2e3_skip (the skip term as the scores' diagonal: profiles,
-#                                                  its GPU tests, train step; m3_skip8: profiles at b8t2048 with and without), e2e3_gc (train step with / without gc.freeze; e2e1_gc: Mamba-1 with)
+#                                                  m3_skip e2e3_skip (the skip term as the scores' diagonal, the default, vs the per-position weight: profiles,
+#                                                  its GPU tests, train step with the weight; m3_skip8: profiles at b8t2048 with and without), e2e3_gc (train step with / without gc.freeze; e2e1_gc: Mamba-1 with)
 #                                                  m3_adt e2e3_adt (dADT in the values vs keys launch, keys+queries in one launch: op sweep, train step)
 #                                                  dispatch (a synchronised op call split: dispatch, wait, pipelined, trivial-jit floor; with and without command buffers)
 #                                                  m3_prof32 (the op's per-kernel profile at B=32 T=512)
@@ -37,7 +37,8 @@
 #                                                  m3_qk16 m3_prof16 e2e3_qk16 (dq, dk̃ in bf16, the default, vs float32:
 #                                                  op sweep, per-kernel profiles of the op, train step with profile)
 # m1_prefetch: the Mamba-1 backward rows loaded a sub-chunk ahead (its GPU test, op sweep, train step).
-# m3_walk / e2e3_walk: the walking state passes (profiles at both op shapes, GPU tests; train step).
+# m3_walk / e2e3_walk: the walking state passes, the default (profiles at both op shapes vs split and 32 rows,
+# GPU tests; e2e3_walk: the train step with the split passes). e2e3g: the train step with the defaults, gc frozen.
 # pack_logs: every log in $OUT into logs.tgz (the device tool returns at most 8 files).
 # cache_restore / cache_save: the Triton (official kernels) and JAX compilation caches, unpacked from
 # .devcache/*.tgz (git-ignored; carry .devcache) / packed into $OUT (copy them to .devcache for the next call).
@@ -103,19 +104,20 @@ for s in $stages; do case $s in
                for cfg in "" rotate_in_chunk_gradients=True; do
                  tag=$(echo "${cfg:-default}" | tr '=,' '__')
                  run m3_profile_b8t2048_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape b8t2048 --iters 10 ${cfg:+--scan-config $cfg} ; done ;;
-  m3_skip)     for sh in b32t512 b8t2048; do for cfg in "" skip_in_scores=True; do tag=$(echo "${cfg:-default}" | tr '=,' '__')
+  m3_skip)     for sh in b32t512 b8t2048; do for cfg in "" skip_in_scores=False; do tag=$(echo "${cfg:-default}" | tr '=,' '__')
                  run m3_profile_${sh}_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape $sh --iters 10 ${cfg:+--scan-config $cfg} ; done ; done ;
-               for cfg in "" skip_in_scores=True; do tag=$(echo "${cfg:-default}" | tr '=,' '__')
+               for cfg in "" skip_in_scores=False; do tag=$(echo "${cfg:-default}" | tr '=,' '__')
                  run m3_profile_b32t512_per_head_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape b32t512 --per-head-angles --iters 10 ${cfg:+--scan-config $cfg} ; done ;
                run m3_skip_gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -k "skip or rotation" -rA ;;
   m3_skip8)    for cfg in skip_in_scores=True skip_in_scores=False; do tag=$(echo "$cfg" | tr '=,' '__')
                  run m3_profile_b8t2048_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape b8t2048 --iters 10 --scan-config $cfg ; done ;;
-  m3_walk)     for sh in b32t512 b8t2048; do for cfg in state_passes=split state_passes=walk state_passes=walk,walk_block_p=64; do
+  m3_walk)     for sh in b32t512 b8t2048; do for cfg in state_passes=split state_passes=walk state_passes=walk,walk_block_p=32; do
                  tag=$(echo "$cfg" | tr '=,' '__'); run m3_profile_${sh}_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape $sh --iters 10 --per-head-angles --scan-config $cfg ; done ; done ;
                run m3_walk_gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -k walking -rA ;;
-  e2e3_walk)   run e2e_mamba3_walk 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze --scan-config state_passes=walk ;;
+  e2e3_walk)   run e2e_mamba3_split_passes 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze --scan-config state_passes=split ;;
   pack_logs)   (cd "$OUT" && tar czf logs.tgz *.log && rm -f *.log) ;;
-  e2e3_skip)   run e2e_mamba3_skip_in_scores 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze --scan-config skip_in_scores=True ;;
+  e2e3_skip)   run e2e_mamba3_skip_as_weight 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze --scan-config skip_in_scores=False ;;
+  e2e3g)       run e2e_mamba3_gc_freeze 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ;;
   e2e3_rot)    run e2e_mamba3_rotate_in_chunks 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config rotate_in_chunk_gradients=True ;;
   m3_head_bench) run m3_bench_head 200 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b8t2048 --sweep --sweep-set head ;
                run m3_bench_head_b32 200 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b32t512 --sweep --sweep-set head ;;

@@ -43,9 +43,9 @@ class Mamba3ScanConfig:
     """Static launch parameters of the Pallas Mamba-3 SISO kernels.
 
     Attributes:
-      state_block_p: headdim rows per program of the two chunk combines (their grid is
-        batch × heads × headdim/state_block_p; each program walks every chunk of its rows).
-      num_warps_state: Triton warps of the chunk combines.
+      state_block_p: headdim rows per program of the two chunk combines of state_passes "split" (their
+        grid is batch × heads × headdim/state_block_p; each program walks every chunk of its rows).
+      num_warps_state: Triton warps of the chunk combines ("split").
       state_passes: how the states entering every chunk (forward) and the adjoints leaving every chunk
         (backward) are formed (state_passes.py): "walk" (the default since session 23), one launch
         whose programs (batch row, head, walk_block_p headdim rows) form each chunk's contribution with
@@ -56,7 +56,7 @@ class Mamba3ScanConfig:
       walk_block_p, num_warps_walk: headdim rows per program (at most Pp are used) and Triton warps of
         the "walk" launches (64 rows: one program per head, K̃ / Q read once; 32 rows was slower, +93 µs
         at B=32 T=512).
-      num_warps_local: Triton warps of the per-chunk state / adjoint contribution kernels.
+      num_warps_local: Triton warps of the per-chunk state / adjoint contribution kernels ("split").
       num_warps_chunk: Triton warps of the forward chunk-output kernel.
       num_warps_grad: Triton warps of the backward chunk-gradient kernel(s).
       gradient_kernels: launches the chunk gradients are split into: 1, 2 (dQ apart) or 3 (values dV,

@@ -5,11 +5,13 @@
 differentiable w.r.t. every array argument. The per-position preprocessing that turns the op's
 arguments into these operands (the trapezoid weights, the skip term, the entering state) is shared with the XLA implementation and lives with the op
 (jmamba/ops/mamba3_siso_scan/pallas.py and common.py), so JAX differentiates it; only the chunked
-core (core.py: one custom_vjp around four kernels forward and four to six backward, the query/key
+core (core.py: one custom_vjp around three kernels forward and three to five backward by default, one more
+each with state_passes "split", the query/key
 kernels of queries_keys.py and qk_gradients.py included) is hand-differentiated (docs/mamba3_siso.md §4).
 
   operands       s = γ + σ̂ [Bt, T, H] (key scale), γ [Bt, T, H] and D [H] (the skip term
-                 D + γ⟨q̄, k̄⟩ is formed inside the core, ⟨q̄, k̄⟩ by the query/key kernel),
+                 D + γ⟨q̄, k̄⟩ is formed inside the core, ⟨q̄, k̄⟩ by the query/key kernel; by default
+                 γ⟨q̄, k̄⟩ enters as the chunk kernels' scores' diagonal, config.skip_in_scores),
                  the raw Angles [Bt, T, 1 or H, S] (None when S = 0) and DT [Bt, T, H]: the
                  per-head angle increment inc = π·tanh(Angles)·DT is formed inside the kernels
                  (neither it nor the rate π·tanh(Angles) is ever a [Bt, T, H, S] array in HBM;
