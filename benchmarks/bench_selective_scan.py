@@ -335,6 +335,7 @@ def _short(cfg):
             + (" prefetch-bc" if cfg.prefetch_bc else "")
             + (" hide-align" if cfg.hide_channel_alignment else "")
             + (" reuse-decay" if cfg.bwd_reuse_decay else "")
+            + (" bwd-prefetch-rows" if cfg.bwd_prefetch_rows else "")
             + (f" parallel-fwd w{cfg.parallel_num_warps}" if cfg.fwd_parallel else "")
             + (" mosaic-fwd" if cfg.fwd_mosaic else "") + (" mosaic-bwd" if cfg.bwd_mosaic else ""))
 

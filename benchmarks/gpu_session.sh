@@ -39,6 +39,8 @@
 # m1_prefetch: the Mamba-1 backward rows loaded a sub-chunk ahead (its GPU test, op sweep, train step).
 # m3_walk / e2e3_walk: the walking state passes, the default (profiles at both op shapes vs split and 32 rows,
 # GPU tests; e2e3_walk: the train step with the split passes). e2e3g: the train step with the defaults, gc frozen.
+# probe_anchor: our op timed inside the anchors' op process right after their timing (split, trace, gaps;
+# run anchors_ss earlier in the call, carry .anchors).
 # pack_logs: every log in $OUT into logs.tgz (the device tool returns at most 8 files).
 # cache_restore / cache_save: the Triton (official kernels) and JAX compilation caches, unpacked from
 # .devcache/*.tgz (git-ignored; carry .devcache) / packed into $OUT (copy them to .devcache for the next call).
@@ -115,6 +117,7 @@ for s in $stages; do case $s in
                  tag=$(echo "$cfg" | tr '=,' '__'); run m3_profile_${sh}_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape $sh --iters 10 --per-head-angles --scan-config $cfg ; done ; done ;
                run m3_walk_gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -k walking -rA ;;
   e2e3_walk)   run e2e_mamba3_split_passes 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze --scan-config state_passes=split ;;
+  probe_anchor) wait_ss && XLA_PYTHON_CLIENT_PREALLOCATE=false run probe_anchor_op 330 python3 benchmarks/probe_anchor_op.py .anchors /tmp/ab ;;
   pack_logs)   (cd "$OUT" && tar czf logs.tgz *.log && rm -f *.log) ;;
   e2e3_skip)   run e2e_mamba3_skip_as_weight 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze --scan-config skip_in_scores=False ;;
   e2e3g)       run e2e_mamba3_gc_freeze 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ;;
