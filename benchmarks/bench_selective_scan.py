@@ -183,7 +183,7 @@ def stage_breakdown(shape, config, iters, interpret):
     assert prob.padded_seqlen == shape[1] and prob.n == shape[3], "breakdown shapes must need no padding"
     bprob = prob.for_backward()
     d_out = jnp.asarray(np.random.default_rng(7).normal(size=shape[:3]), jnp.bfloat16)
-    ops = scan.kernel_operands(args["u"], args["delta"], args["A"].T, B4, C4, args["D"], args["z"],
+    ops = scan.kernel_operands(prob, args["u"], args["delta"], args["A"].T, B4, C4, args["D"], args["z"],
                                args["delta_bias"], None, d_out=d_out)
     h0 = jnp.zeros((shape[0], prob.n, shape[2]), jnp.float32)
     out = []

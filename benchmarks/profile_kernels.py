@@ -4,6 +4,8 @@
     python3 benchmarks/profile_kernels.py mamba3 --forward                         # forward only
     python3 benchmarks/profile_kernels.py mamba3 --scan-config qk_gradient_dtype=dot_operand   # another config
     python3 benchmarks/profile_kernels.py mamba3 --tiny      # CPU smoke run (interpret mode; no device events)
+    python3 benchmarks/profile_kernels.py mamba1 --shape b8t2048 --scan-config bwd_prefetch_rows=True
+                                                             # the Mamba-1 selective scan (fwd+bwd)
 
 Runs the function `--iters` times inside `jax.profiler.trace`, reads the trace back with
 `jax.profiler.ProfileData`, and prints, per kernel name (GPU events of the device plane), the total
@@ -29,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_mamba3_scan as m3  # noqa: E402
+from benchmarks import bench_selective_scan as m1  # noqa: E402
 
 
 def kernel_times(fn, args, iters, intervals=None, host_events=None):
@@ -182,8 +185,8 @@ def main(argv=None):
     kernel (none off the GPU: no device events there), then {"kernel": "wall", "seconds": {"per call":
     wall-clock seconds per call, profiling included}}."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", nargs="?", default="mamba3", choices=["mamba3"])
-    p.add_argument("--shape", default="b8t2048", choices=list(m3.SHAPES))
+    p.add_argument("what", nargs="?", default="mamba3", choices=["mamba3", "mamba1"])
+    p.add_argument("--shape", default="b8t2048", choices=sorted(set(m3.SHAPES) | set(m1.SHAPES)))
     p.add_argument("--forward", action="store_true")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--tiny", action="store_true", help="tiny shape, interpret mode (CPU smoke run)")
@@ -192,21 +195,11 @@ def main(argv=None):
     p.add_argument("--scan-config", default=None, metavar="K=V,...",
                    help="Mamba3ScanConfig fields to change from the default, e.g. qk_gradient_dtype=dot_operand")
     a = p.parse_args(argv)
-    if a.tiny:
-        (bsz, T), dims, chunk, a.shape, a.iters = m3.TINY["shape"], m3.TINY["dims"], m3.TINY["chunk"], "tiny", 1
+    if a.what == "mamba1":
+        fn, fargs = _mamba1_call(a)
     else:
-        (bsz, T), dims, chunk = m3.SHAPES[a.shape], m3.DIMS, 64
-    args = m3.make_args(bsz, T, dims, per_head_angles=a.per_head_angles)
-    config = m3.DEFAULT_CONFIG
-    if a.scan_config:
-        from benchmarks.measure import scan_config
-        config = scan_config(a.scan_config, "mamba3")
-    fn = m3.op_function("pallas", chunk, config)
-    if a.forward:
-        f, fargs = jax.jit(fn), (args,)
-    else:
-        d_out = jnp.asarray(np.random.default_rng(7).normal(size=args["V"].shape), jnp.bfloat16)
-        f, fargs = jax.jit(m3.forward_and_backward(fn)), (args, d_out)
+        fn, fargs = _mamba3_call(a)
+    f = jax.jit(fn)
     print(f"# {a.what} {'forward' if a.forward else 'forward+backward'} at {a.shape}"
           f"{', per-head angles' if a.per_head_angles else ''}, {a.iters} calls, "
           f"{jax.devices()[0].device_kind}\n")
@@ -219,6 +212,46 @@ def main(argv=None):
             for name, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])]
     print(f"wall time per call (profiled): {wall / a.iters * 1e3:.3f} ms")
     return rows + [{"kernel": "wall", "launches": None, "seconds": {"per call": wall / a.iters}}]
+
+
+def _mamba1_call(a):
+    """(fn, args) of the Mamba-1 selective scan (the anchors' call: z, D, delta bias, softplus)."""
+    from benchmarks.measure import scan_config
+    if a.shape not in m1.SHAPES and not a.tiny:
+        raise SystemExit(f"--shape for mamba1: one of {sorted(m1.SHAPES)}")
+    shape = (2, 40, 64, 16) if a.tiny else m1.SHAPES[a.shape]
+    if a.tiny:
+        a.shape, a.iters = "tiny", 1
+    config = scan_config(a.scan_config, "mamba1") if a.scan_config else None
+    args = m1.make_args(shape)
+    op = m1.implementation("pallas", config, interpret=a.tiny)
+    names = list(args)
+    if a.forward:
+        return (lambda v: op(**v)), (args,)
+    d_out = jnp.asarray(np.random.default_rng(7).normal(size=args["u"].shape), jnp.bfloat16)
+
+    def fwd_bwd(v, g):
+        out, vjp = jax.vjp(lambda *x: op(**dict(zip(names, x))), *[v[k] for k in names])
+        return out, vjp(g)
+    return fwd_bwd, (args, d_out)
+
+
+def _mamba3_call(a):
+    """(fn, args) of the Mamba-3 SISO scan."""
+    if a.tiny:
+        (bsz, T), dims, chunk, a.shape, a.iters = m3.TINY["shape"], m3.TINY["dims"], m3.TINY["chunk"], "tiny", 1
+    else:
+        (bsz, T), dims, chunk = m3.SHAPES[a.shape], m3.DIMS, 64
+    args = m3.make_args(bsz, T, dims, per_head_angles=a.per_head_angles)
+    config = m3.DEFAULT_CONFIG
+    if a.scan_config:
+        from benchmarks.measure import scan_config
+        config = scan_config(a.scan_config, "mamba3")
+    fn = m3.op_function("pallas", chunk, config)
+    if a.forward:
+        return fn, (args,)
+    d_out = jnp.asarray(np.random.default_rng(7).normal(size=args["V"].shape), jnp.bfloat16)
+    return m3.forward_and_backward(fn), (args, d_out)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,11 @@ def check_against_reference(args, reset, config, tol, softplus=True):
     return present, cts
 
 
+# The instruction-count options (kernel_math.KernelMath, config.py): in the interpreter the fast
+# softplus / sigmoid series and the float32 B/C rows run as on the GPU; fma is a·b + c there.
+TINY_FAST = dataclasses.replace(TINY, fast_math=True, fused_multiply_add=True, f32_state_rows=True,
+                                bwd_hide_channel_alignment=False, bwd_prefetch_rows=True)
+
 # (id, shape (Bt, T, d, n, g), dtype, options, softplus, config, tol)
 CASES = [
     ("f32-all-reset-groups", (2, 37, 8, 4, 2), jnp.float32,
@@ -111,6 +116,10 @@ CASES = [
      dict(with_z=False, with_bias=False), False, TINY, 3e-5),
     ("f32-odd-groups-blocks-of-1", (1, 9, 6, 3, 2), jnp.float32,
      dict(with_reset=True), True, TINY, 3e-5),
+    ("f32-all-reset-groups-fast-math", (2, 37, 8, 4, 2), jnp.float32,
+     dict(with_reset=True), True, TINY_FAST, 3e-5),
+    ("bf16-all-reset-n5-fast-math", (1, 70, 12, 5, 1), jnp.bfloat16,
+     dict(with_reset=True), True, TINY_FAST, 1e-2),
 ]
 
 
@@ -278,8 +287,10 @@ def _lower_for_h200(shape, dtype, config, *, with_reset):
     ((8, 2048, 1536, 16, 1), jnp.bfloat16, ScanBlockConfig(bwd_reuse_decay=False), False),
     ((8, 2048, 1536, 16, 1), jnp.bfloat16, ScanBlockConfig(fwd_parallel=True), True),
     ((8, 2048, 1536, 16, 1), jnp.bfloat16, ScanBlockConfig(bwd_prefetch_rows=True), True),
+    ((8, 2048, 1536, 16, 1), jnp.bfloat16, ScanBlockConfig(fast_math=True, fused_multiply_add=True, f32_state_rows=True,
+                                                           bwd_hide_channel_alignment=False), True),
 ], ids=["perf-shape-default", "odd-shape-reset", "perf-shape-no-reuse-decay", "perf-shape-parallel-forward",
-        "perf-shape-prefetch-rows"])
+        "perf-shape-prefetch-rows", "perf-shape-fast-math"])
 def test_kernels_lower_to_triton_for_h200(shape, dtype, config, with_reset):
     text = _lower_for_h200(shape, dtype, config, with_reset=with_reset)
     # forward: summaries, combine, outputs; backward: adjoint summaries, adjoint combine, gradients
@@ -366,8 +377,15 @@ def test_config_is_shrunk_to_the_call():
 
 # ------------------------------------------------------------------------------------------------ GPU
 NO_HINT = ScanBlockConfig(hide_channel_alignment=False)
+FAST = ScanBlockConfig(fast_math=True, fused_multiply_add=True, f32_state_rows=True, bwd_hide_channel_alignment=False,
+                       bwd_prefetch_rows=True)
 GPU_CASES = [  # (id, shape, dtype, options, config (None: the default), tol)
     ("perf-shape-bf16", (8, 2048, 1536, 16, 1), jnp.bfloat16, dict(), None, 1e-2),
+    ("perf-shape-bf16-fast", (8, 2048, 1536, 16, 1), jnp.bfloat16, dict(), FAST, 1e-2),
+    ("bf16-reset-groups-odd-T-fast", (3, 1000, 192, 16, 3), jnp.bfloat16, dict(with_reset=True), FAST, 1e-2),
+    ("f32-odd-everything-fast", (2, 333, 40, 5, 2), jnp.float32, dict(with_reset=True), FAST, 1e-4),
+    ("f16-bare-fast", (2, 300, 64, 16, 1), jnp.float16,
+     dict(with_D=False, with_z=False, with_bias=False, with_h0=False), FAST, 5e-3),
     ("perf-shape-bf16-no-layout-hint", (8, 2048, 1536, 16, 1), jnp.bfloat16, dict(), NO_HINT, 1e-2),
     ("bf16-reset-groups-odd-T", (3, 1000, 192, 16, 3), jnp.bfloat16, dict(with_reset=True), None, 1e-2),
     ("f32-odd-everything", (2, 333, 40, 5, 2), jnp.float32, dict(with_reset=True), None, 1e-4),
@@ -400,6 +418,18 @@ def test_gpu_prefetching_the_backwards_rows_is_bit_identical_at_the_perf_shape()
     _, on, _ = run_both(args, None, ScanBlockConfig(bwd_prefetch_rows=True))
     for a, b in zip(jax.tree.leaves(off), jax.tree.leaves(on)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.gpu
+def test_gpu_fast_math_runs_are_bit_identical_and_f32_rows_change_nothing():
+    """Two runs with the fast options agree bit for bit; reading B/C as float32 is the same values."""
+    args, _ = make_inputs((8, 2048, 1536, 16, 1), jnp.bfloat16)
+    _, first, _ = run_both(args, None, FAST)
+    _, second, _ = run_both(args, None, FAST)
+    _, bf16_rows, _ = run_both(args, None, dataclasses.replace(FAST, f32_state_rows=False))
+    for a, b, c in zip(jax.tree.leaves(first), jax.tree.leaves(second), jax.tree.leaves(bf16_rows)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
 
 
 @pytest.mark.gpu

@@ -33,7 +33,7 @@ from pallas_kernels.common.dtypes import F32
 from pallas_kernels.selective_scan import layout
 from pallas_kernels.selective_scan.config import ScanProblem
 from pallas_kernels.selective_scan.forward import RowReader, common_inputs
-from pallas_kernels.selective_scan.kernel_math import LN_2, decay, sigmoid, softplus_thresholded_grad
+from pallas_kernels.selective_scan.kernel_math import LN_2
 
 
 # the per-channel rows each backward kernel loads one sub-chunk ahead with config.bwd_prefetch_rows
@@ -49,7 +49,7 @@ def output_gradient(rd: RowReader, t, has_z, loaded=None):
     if not has_z:
         return d_out, d_out, None, None
     z = rd.row("z", t, loaded.get("z"))
-    sz = sigmoid(z)
+    sz = rd.math.sigmoid(z)
     return d_out * z * sz, d_out, z, sz
 
 
@@ -73,6 +73,7 @@ def adjoint_summaries(problem: ScanProblem, ops: dict):
 
     def body(refs):
         rd = RowReader(problem, grid, refs)
+        m = rd.math
         A = rd.load("A_t").astype(F32)
 
         def sub_rows(k):   # the rows of sub-chunk k (clamped: a harmless reload past the end)
@@ -92,8 +93,8 @@ def adjoint_summaries(problem: ScanProblem, ops: dict):
                      rd.keep(t)) for t, g in zip(ts, got)]
             for t, gy, dl, cr, keep in reversed(rows):
                 cr = rd.state_row("C", t, cr)
-                dh = gy[None, :] * cr[:, None] + c
-                c = decay(dl, A, keep) * dh
+                dh = m.fma(gy[None, :], cr[:, None], c)
+                c = m.decay(dl, A, keep) * dh
                 right_delta = right_delta + dl
             return c, right_delta, ahead
 
@@ -141,6 +142,7 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
 
     def body(refs):
         rd = RowReader(problem, grid, refs)
+        m = rd.math
         A = rd.load("A_t").astype(F32)
         D = rd.load("D").astype(F32) if has_D else None
         G = rd.load("G")
@@ -165,31 +167,31 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
             states, decays = [h], []
             for r in rows:
                 b = rd.state_row("B", r["t"], r["b"])
-                decays.append(decay(r["dl"], A, r["keep"]))
-                states.append(decays[-1] * states[-1] + (r["dl"] * r["u"])[None, :] * b[:, None])
+                decays.append(m.decay(r["dl"], A, r["keep"]))
+                states.append(m.fma(decays[-1], states[-1], (r["dl"] * r["u"])[None, :] * b[:, None]))
             reuse = cfg.bwd_reuse_decay
             # The true adjoint entering the sub-chunk from the right.
             psi = jnp.exp2(A * rd.load("sub_right_delta", k)[None, :])
             if problem.has_reset:
                 psi = psi * refs["sub_keep_right"][k]
-            c = rd.load("sub_adjoint", k) + psi * G
+            c = m.fma(psi, G, rd.load("sub_adjoint", k))
             row_stores = []   # per-channel rows are stored after the walk (see forward.chunk_outputs)
             for i in reversed(range(sub)):
                 r = rows[i]
                 h_t, h_prev = states[i + 1], states[i]
-                a = decays[i] if reuse else decay(r["dl"], A, r["keep"])
+                a = decays[i] if reuse else m.decay(r["dl"], A, r["keep"])
                 b, cr = rd.state_row("B", r["t"], r["b"]), rd.state_row("C", r["t"], r["c"])
-                dh = r["gy"][None, :] * cr[:, None] + c
+                dh = m.fma(r["gy"][None, :], cr[:, None], c)
                 hb = jnp.sum(dh * b[:, None], axis=0)                      # Σ_n dh·B   [block_d]
                 x = dh * (a * h_prev)                                         # dh·ā·h_{t-1} [n, block_d]
-                d_dl = r["u"] * hb + LN_2 * jnp.sum(A * x, axis=0)          # A = LN_2·A2
+                d_dl = m.fma(r["u"], hb, LN_2 * jnp.sum(A * x, axis=0))     # A = LN_2·A2
                 du = r["dl"] * hb
                 if D is not None:
-                    du = du + D * r["gy"]
-                    dD = dD + r["gy"] * r["u"]
-                dA = dA + r["dl"][None, :] * x
+                    du = m.fma(D, r["gy"], du)
+                    dD = m.fma(r["gy"], r["u"], dD)
+                dA = m.fma(r["dl"][None, :], x, dA)
                 c = a * dh
-                d_raw = d_dl * softplus_thresholded_grad(r["raw"]) if softplus else d_dl
+                d_raw = d_dl * m.softplus_grad(r["raw"]) if softplus else d_dl
                 if problem.has_time_padding:
                     d_raw = jnp.where(rd.chunk_start + r["t"] < problem.seqlen, d_raw, 0.0)
                 d_bias = d_bias + d_raw
@@ -200,7 +202,7 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
                 if has_z:
                     y = jnp.sum(h_t * cr[:, None], axis=0)
                     if D is not None:
-                        y = y + D * r["u"]
+                        y = m.fma(D, r["u"], y)
                     sz, z = r["sz"], r["z"]
                     row_stores.append(("dz", t, r["d_out"] * y * (sz * (1.0 + z * (1.0 - sz)))))
             for name, t, value in row_stores:

@@ -51,6 +51,18 @@ class ScanBlockConfig:
         (Nsight Compute put 58% of the adjoint summaries kernel's stalls on these loads; the Mamba-3
         walking state passes reached their byte floor this way). Bit-identical results either way;
         off until timed on the H200.
+      bwd_hide_channel_alignment: the layout hint for the backward kernels (None: as the forward).
+        Without it, the gradients kernel's [n, block_d] tiles are laid out 4 states × 4 channels per
+        lane, and its per-step sums over the channels (dB, dC) and over the states cross 2–3 lanes
+        instead of 5: 1382 instead of 1818 SASS instructions per loop iteration (96 instead of 320
+        shuffles) for Triton 3.6 on sm_90 (benchmarks/triton_inspect.py).
+      fast_math: softplus and the sigmoids from the hardware ex2 / rcp and a six-term series instead
+        of libdevice (kernel_math.KernelMath): ~1e-6 relative instead of ~2.5e-7 on δ, a quarter of
+        a forward step's instructions fewer.
+      fused_multiply_add: the kernels' a·b + c updates (state, adjoint, dA, the series) as one fma
+        instruction on the GPU (XLA does not let the compiler contract them itself).
+      f32_state_rows: the kernels read B and C converted to float32 (1/d of the row traffic) instead
+        of unpacking bf16 / f16 B and C rows in every step of every kernel. Bit-identical.
       fwd_parallel: the forward's chunk-outputs pass as a parallel prefix over time
         (forward_parallel.py) instead of a serial walk per lane; off until timed on the GPU.
       parallel_num_warps: Triton warps of that kernel (its [chunk, block_d] tiles are spread over them).
@@ -79,6 +91,10 @@ class ScanBlockConfig:
     hide_channel_alignment: bool = True
     bwd_reuse_decay: bool = True
     bwd_prefetch_rows: bool = False
+    bwd_hide_channel_alignment: bool | None = None
+    fast_math: bool = False
+    fused_multiply_add: bool = False
+    f32_state_rows: bool = False
     fwd_parallel: bool = False
     parallel_num_warps: int = 4
     fwd_mosaic: bool = False
@@ -99,10 +115,12 @@ class ScanBlockConfig:
                 raise ValueError(f"ScanBlockConfig.chunk ({self.chunk}) must be a multiple of {name} "
                                  f"({getattr(self, name)})")
         for name in ("prefetch_bc", "hide_channel_alignment", "bwd_reuse_decay", "bwd_prefetch_rows", "fwd_parallel",
-                     "fwd_mosaic",
-                     "bwd_mosaic"):
+                     "fwd_mosaic", "bwd_mosaic", "fast_math", "fused_multiply_add", "f32_state_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ScanBlockConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.bwd_hide_channel_alignment is not None and not isinstance(self.bwd_hide_channel_alignment, bool):
+            raise ValueError("ScanBlockConfig.bwd_hide_channel_alignment must be a bool or None, got "
+                             f"{self.bwd_hide_channel_alignment!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"ScanBlockConfig.num_stages must be a positive int, got {self.num_stages!r}")
         return self
@@ -117,14 +135,16 @@ class ScanBlockConfig:
         chunk = self.chunk
         if seqlen < chunk:  # one chunk covers the sequence: round it up to whole unrolled steps
             chunk = round_up(seqlen, step)
+        hint = self.hide_channel_alignment if self.bwd_hide_channel_alignment is None else self.bwd_hide_channel_alignment
         return dataclasses.replace(
             self, block_d=fit(self.block_d), chunk=chunk, bwd_block_d=fit(self.bwd_block_d or self.block_d),
-            bwd_num_warps=self.bwd_num_warps or self.num_warps).validate()
+            bwd_num_warps=self.bwd_num_warps or self.num_warps, bwd_hide_channel_alignment=hint).validate()
 
     def for_backward(self) -> "ScanBlockConfig":
         """The config the backward kernels run with (their channel block and warps)."""
+        hint = self.hide_channel_alignment if self.bwd_hide_channel_alignment is None else self.bwd_hide_channel_alignment
         return dataclasses.replace(self, block_d=self.bwd_block_d or self.block_d,
-                                   num_warps=self.bwd_num_warps or self.num_warps)
+                                   num_warps=self.bwd_num_warps or self.num_warps, hide_channel_alignment=hint)
 
 
 DEFAULT_CONFIG = ScanBlockConfig()

@@ -27,7 +27,7 @@ from pallas_kernels.common.dtypes import F32
 from pallas_kernels.selective_scan import layout
 from pallas_kernels.selective_scan.channels import ChannelAccess, zero_operand
 from pallas_kernels.selective_scan.config import ScanProblem
-from pallas_kernels.selective_scan.kernel_math import decay, sigmoid, time_step
+from pallas_kernels.selective_scan.kernel_math import KernelMath
 
 
 
@@ -63,6 +63,7 @@ class RowReader(ChannelAccess):
     def __init__(self, problem: ScanProblem, grid, refs: dict):
         super().__init__(problem, refs)
         self.p = problem
+        self.math = KernelMath.of(problem)
         self.bias = self.load("bias").astype(F32) if problem.has_bias else None
         self.chunk_start = grid.chunk(pl.program_id(0)) * problem.config.chunk
 
@@ -74,7 +75,7 @@ class RowReader(ChannelAccess):
     def delta(self, t, raw=None):
         """δ_t [block_d] (0 on padding steps past the true T)."""
         raw = self.delta_raw(t) if raw is None else raw
-        dl = time_step(raw, None, self.p.softplus)
+        dl = self.math.time_step(raw, self.p.softplus)
         if self.p.has_time_padding:
             dl = jnp.where(self.chunk_start + t < self.p.seqlen, dl, 0.0)
         return dl
@@ -116,6 +117,7 @@ def chunk_summaries(problem: ScanProblem, ops: dict):
 
     def body(refs):
         rd = RowReader(problem, grid, refs)
+        m = rd.math
         A = rd.load("A_t").astype(F32)
 
         def step_group(k, carry):
@@ -124,7 +126,7 @@ def chunk_summaries(problem: ScanProblem, ops: dict):
             rows = [(rd.delta(t), rd.row("u", t), rd.prefetch_state_row("B", t), rd.keep(t)) for t in ts]
             for t, (dl, u, b, keep) in zip(ts, rows):
                 b = rd.state_row("B", t, b)
-                h = decay(dl, A, keep) * h + (dl * u)[None, :] * b[:, None]
+                h = m.fma(m.decay(dl, A, keep), h, (dl * u)[None, :] * b[:, None])
                 s = s + dl
             return h, s
 
@@ -160,6 +162,7 @@ def chunk_outputs(problem: ScanProblem, ops: dict, chunk_start_states):
 
     def body(refs):
         rd = RowReader(problem, grid, refs)
+        m = rd.math
         A = rd.load("A_t").astype(F32)
         D = rd.load("D").astype(F32) if problem.has_D else None
 
@@ -170,12 +173,12 @@ def chunk_outputs(problem: ScanProblem, ops: dict, chunk_start_states):
             outs = []
             for t, (dl, u, b, c, keep, z) in zip(ts, rows):
                 b, c = rd.state_row("B", t, b), rd.state_row("C", t, c)
-                h = decay(dl, A, keep) * h + (dl * u)[None, :] * b[:, None]
+                h = m.fma(m.decay(dl, A, keep), h, (dl * u)[None, :] * b[:, None])
                 y = jnp.sum(h * c[:, None], axis=0)
                 if D is not None:
-                    y = y + D * u
+                    y = m.fma(D, u, y)
                 if z is not None:
-                    y = y * (z * sigmoid(z))
+                    y = y * (z * m.sigmoid(z))
                 outs.append(y)
             # Stores last: a load cannot be moved above a store that might alias it, so storing at
             # each step would put the next step's B/C loads on the critical path.

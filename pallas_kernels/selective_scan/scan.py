@@ -194,8 +194,11 @@ def _keep_right_of_sub_chunks(problem: ScanProblem, keep):
     return jnp.where(suffix > 0, 0.0, 1.0).astype(F32)
 
 
-def kernel_operands(u, delta, A_t, B, C, D, z, bias, keep, d_out=None):
-    """The kernels' operands; they get A·log2(e) (see kernel_math.decay), gradients are w.r.t. A."""
+def kernel_operands(problem: ScanProblem, u, delta, A_t, B, C, D, z, bias, keep, d_out=None):
+    """The kernels' operands; they get A·log2(e) (see kernel_math.decay), gradients are w.r.t. A;
+    B and C as float32 with config.f32_state_rows."""
+    if problem.config.f32_state_rows:
+        B, C = B.astype(F32), C.astype(F32)
     return dict(u=u, delta=delta, A_t=A_t * LOG2_E, B=B, C=C, D=D, z=z, bias=bias, keep=keep, d_out=d_out)
 
 
@@ -233,7 +236,7 @@ def _mosaic_scan_forward(problem, u, delta, A_t, B, C, D, z, bias, h0):
 def _scan_forward(problem, u, delta, A_t, B, C, D, z, bias, h0, keep):
     if mosaic_applies(problem, keep):
         return _mosaic_scan_forward(problem, u, delta, A_t, B, C, D, z, bias, h0)
-    ops = kernel_operands(u, delta, A_t, B, C, D, z, bias, keep)
+    ops = kernel_operands(problem, u, delta, A_t, B, C, D, z, bias, keep)
     local_end, delta_sums = forward.chunk_summaries(problem, ops)
     starts, last = combine.chunk_states(problem, ops["A_t"], local_end, delta_sums, _keep_per_chunk(problem, keep), h0,
                                         reverse=False)
@@ -268,7 +271,7 @@ def _scan_bwd(problem, residuals, cotangents):
     d_out, d_last = cotangents
     if mosaic_applies(problem, keep, backward=True):
         return _mosaic_scan_bwd(problem, u, delta, A_t, B, C, D, z, bias, starts, d_out, d_last)
-    ops = kernel_operands(u, delta, A_t, B, C, D, z, bias, keep, d_out=d_out.astype(u.dtype))
+    ops = kernel_operands(problem, u, delta, A_t, B, C, D, z, bias, keep, d_out=d_out.astype(u.dtype))
     local_adjoint, sub_adjoint, sub_right_delta = backward.adjoint_summaries(problem, ops)
     right_adjoints, d_h0 = combine.chunk_states(problem, ops["A_t"], local_adjoint, delta_sums,
                                                 _keep_per_chunk(problem, keep), d_last.astype(F32), reverse=True)
