@@ -67,7 +67,10 @@ def capture(what, out_dir, scan_config=None, shape=None):
         fn, specs = _op(what, scan_config, shape)
         device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
         mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-        with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+        from unittest import mock
+        from jmamba.ops.mamba3_siso_scan import pallas as m3_glue
+        with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh), \
+                mock.patch.object(m3_glue, "interpret_mode", return_value=False):
             warnings.simplefilter("ignore", DeprecationWarning)
             jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
     finally:
@@ -96,8 +99,10 @@ def _op(what, scan_config, shape):
     if what == "mamba3":
         from benchmarks import bench_mamba3_scan as m3
         bsz, T = shape[:2] if shape else (8, 2048)
-        args = jax.eval_shape(lambda: m3.make_args(bsz, T, m3.DIMS))
-        fn = m3.forward_and_backward(m3.op_function("pallas", 64, config or m3.DEFAULT_CONFIG))
+        args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                            jax.eval_shape(lambda: m3.make_args(bsz, T, m3.DIMS)))
+        op = m3.op_function("pallas", 64, config or m3.DEFAULT_CONFIG)
+        fn = m3.forward_and_backward(op)
         return fn, [args, jax.ShapeDtypeStruct(args["V"].shape, jnp.bfloat16)]
     raise SystemExit(f"unknown op {what!r}: mamba1 or mamba3")
 
