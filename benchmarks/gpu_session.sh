@@ -38,6 +38,7 @@
 #                                                  op sweep, per-kernel profiles of the op, train step with profile)
 # m1_prefetch: the Mamba-1 backward rows loaded a sub-chunk ahead (its GPU test, op sweep, train step;
 # e2e1_pf: the train step alone, log tagged by PF_TAG, for an A/B/A with e2e1_gc).
+# side_ops1: the Mamba-1 op side by side only (the official CUDA scan; needs only the selective-scan extension).
 # m1_prof: the Mamba-1 op's per-kernel profile (fwd+bwd) for each config of M1_CFGS (space-separated
 # "default" or K=V,... lists; default: "default bwd_prefetch_rows=True") at M1_SHAPE (b8t2048).
 # m3_walk / e2e3_walk: the walking state passes, the default (profiles at both op shapes vs split and 32 rows,
@@ -170,6 +171,7 @@ for s in $stages; do case $s in
   side_train)  wait_anchors && run side_by_side_train 200 python3 .anchors/side_by_side.py /tmp/ab train ;;
   side_train3) wait_ss && run side_by_side_train_mamba3 420 python3 -c "import sys; sys.argv = ['x', '/tmp/ab', 'none']; sys.path.insert(0, '.anchors'); import side_by_side as s; s.train('Mamba3')" ;;
   side_train1) wait_anchors && run side_by_side_train_mamba1 120 python3 -c "import sys; sys.argv = ['x', '/tmp/ab', 'none']; sys.path.insert(0, '.anchors'); import side_by_side as s; s.train('Mamba1')" ;;
+  side_ops1)   wait_ss && XLA_PYTHON_CLIENT_PREALLOCATE=false run side_by_side_ops_mamba1 200 python3 -c "import sys; sys.argv = ['x', '/tmp/ab', 'none']; sys.path.insert(0, '.anchors'); sys.path.insert(0, '.'); import side_by_side as s; [s.m1_op(**k) for k in (dict(b=8, l=2048), dict(b=32, l=256), dict(b=2, l=8192))]" ;;
   side_long)   wait_anchors && run side_by_side_train_long 150 python3 -c "import sys; sys.argv = ['x', '/tmp/ab', 'none']; sys.path.insert(0, '.anchors'); import side_by_side as s; s.train('Mamba1', b=1, l=65536)" ;;
   e2e1_prof)   run e2e_mamba1_profile 170 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --profile 3 ;;
   mixer_bench) run mamba1_mixer_bench 200 python3 benchmarks/bench_mamba1_mixer.py ;;

@@ -104,6 +104,10 @@ def check_against_reference(args, reset, config, tol, softplus=True):
 TINY_FAST = dataclasses.replace(TINY, fast_math=True, fused_multiply_add=True, f32_state_rows=True,
                                 bwd_hide_channel_alignment=False, bwd_prefetch_rows=True)
 
+# the pre-2026-12-04 default: libdevice softplus / sigmoid, the layout hint in the backward, no prefetch
+TINY_EXACT = dataclasses.replace(TINY, fast_math=False, fused_multiply_add=False, bwd_hide_channel_alignment=None,
+                                 bwd_prefetch_rows=False)
+
 # (id, shape (Bt, T, d, n, g), dtype, options, softplus, config, tol)
 CASES = [
     ("f32-all-reset-groups", (2, 37, 8, 4, 2), jnp.float32,
@@ -120,6 +124,8 @@ CASES = [
      dict(with_reset=True), True, TINY_FAST, 3e-5),
     ("bf16-all-reset-n5-fast-math", (1, 70, 12, 5, 1), jnp.bfloat16,
      dict(with_reset=True), True, TINY_FAST, 1e-2),
+    ("f32-all-reset-groups-exact-math", (2, 37, 8, 4, 2), jnp.float32,
+     dict(with_reset=True), True, TINY_EXACT, 3e-5),
 ]
 
 
@@ -379,9 +385,13 @@ def test_config_is_shrunk_to_the_call():
 NO_HINT = ScanBlockConfig(hide_channel_alignment=False)
 FAST = ScanBlockConfig(fast_math=True, fused_multiply_add=True, f32_state_rows=True, bwd_hide_channel_alignment=False,
                        bwd_prefetch_rows=True)
+# the default before 2026-12-04: libdevice math, two roundings per multiply-add, the hint everywhere
+EXACT = ScanBlockConfig(fast_math=False, fused_multiply_add=False, bwd_hide_channel_alignment=None,
+                        bwd_prefetch_rows=False)
 GPU_CASES = [  # (id, shape, dtype, options, config (None: the default), tol)
     ("perf-shape-bf16", (8, 2048, 1536, 16, 1), jnp.bfloat16, dict(), None, 1e-2),
-    ("perf-shape-bf16-fast", (8, 2048, 1536, 16, 1), jnp.bfloat16, dict(), FAST, 1e-2),
+    ("perf-shape-bf16-fast-f32-rows", (8, 2048, 1536, 16, 1), jnp.bfloat16, dict(), FAST, 1e-2),
+    ("perf-shape-bf16-exact-math", (8, 2048, 1536, 16, 1), jnp.bfloat16, dict(), EXACT, 1e-2),
     ("bf16-reset-groups-odd-T-fast", (3, 1000, 192, 16, 3), jnp.bfloat16, dict(with_reset=True), FAST, 1e-2),
     ("f32-odd-everything-fast", (2, 333, 40, 5, 2), jnp.float32, dict(with_reset=True), FAST, 1e-4),
     ("f16-bare-fast", (2, 300, 64, 16, 1), jnp.float16,
@@ -412,10 +422,10 @@ def test_gpu_two_runs_are_bit_identical_at_the_perf_shape():
 
 @pytest.mark.gpu
 def test_gpu_prefetching_the_backwards_rows_is_bit_identical_at_the_perf_shape():
-    """bwd_prefetch_rows (not yet the default) changes when rows are loaded, not what is computed."""
+    """bwd_prefetch_rows (the default) changes when rows are loaded, not what is computed."""
     args, _ = make_inputs((8, 2048, 1536, 16, 1), jnp.bfloat16)
-    _, off, _ = run_both(args, None, None)
-    _, on, _ = run_both(args, None, ScanBlockConfig(bwd_prefetch_rows=True))
+    _, on, _ = run_both(args, None, None)
+    _, off, _ = run_both(args, None, ScanBlockConfig(bwd_prefetch_rows=False))
     for a, b in zip(jax.tree.leaves(off), jax.tree.leaves(on)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -51,18 +51,22 @@ class ScanBlockConfig:
         (Nsight Compute put 58% of the adjoint summaries kernel's stalls on these loads; the Mamba-3
         walking state passes reached their byte floor this way). Bit-identical results either way;
         off until timed on the H200.
-      bwd_hide_channel_alignment: the layout hint for the backward kernels (None: as the forward).
-        Without it, the gradients kernel's [n, block_d] tiles are laid out 4 states × 4 channels per
-        lane, and its per-step sums over the channels (dB, dC) and over the states cross 2–3 lanes
-        instead of 5: 1382 instead of 1818 SASS instructions per loop iteration (96 instead of 320
-        shuffles) for Triton 3.6 on sm_90 (benchmarks/triton_inspect.py).
+      bwd_hide_channel_alignment: the layout hint for the backward's adjoint-summaries and gradients
+        kernels (None: as the forward; the chunk combines keep the forward's). Without it, the
+        gradients kernel's [n, block_d] tiles are laid out 4 states × 4 channels per lane, and its
+        per-step sums over the channels (dB, dC) and over the states cross 2–3 lanes instead of 5:
+        1382 instead of 1818 SASS instructions per loop iteration (96 instead of 320 shuffles) for
+        Triton 3.6 on sm_90 (benchmarks/triton_inspect.py). Off (False) by default since 2026-12-04.
       fast_math: softplus and the sigmoids from the hardware ex2 / rcp and a six-term series instead
         of libdevice (kernel_math.KernelMath): ~1e-6 relative instead of ~2.5e-7 on δ, a quarter of
-        a forward step's instructions fewer.
+        a forward step's instructions fewer. On by default (2026-12-04).
       fused_multiply_add: the kernels' a·b + c updates (state, adjoint, dA, the series) as one fma
-        instruction on the GPU (XLA does not let the compiler contract them itself).
-      f32_state_rows: the kernels read B and C converted to float32 (1/d of the row traffic) instead
-        of unpacking bf16 / f16 B and C rows in every step of every kernel. Bit-identical.
+        instruction on the GPU (XLA does not let the compiler contract them itself). On by default.
+        With fast_math, the hint change and the prefetch (H200, B=8 T=2048, fwd+bwd kernel sum):
+        2290 -> 1925 us; the chunk outputs 332 -> 241, the gradients 1329 -> 1054.
+      f32_state_rows: the kernels read B and C converted to float32 instead of unpacking bf16 / f16
+        B and C rows in every step of every kernel. Bit-identical. Off: fewer instructions, but the
+        chunk-outputs kernel ran slower with it on the H200 (241 -> 297 us; gradients 1054 -> 1037).
       fwd_parallel: the forward's chunk-outputs pass as a parallel prefix over time
         (forward_parallel.py) instead of a serial walk per lane; off until timed on the GPU.
       parallel_num_warps: Triton warps of that kernel (its [chunk, block_d] tiles are spread over them).
@@ -90,10 +94,10 @@ class ScanBlockConfig:
     prefetch_bc: bool = False
     hide_channel_alignment: bool = True
     bwd_reuse_decay: bool = True
-    bwd_prefetch_rows: bool = False
-    bwd_hide_channel_alignment: bool | None = None
-    fast_math: bool = False
-    fused_multiply_add: bool = False
+    bwd_prefetch_rows: bool = True
+    bwd_hide_channel_alignment: bool | None = False
+    fast_math: bool = True
+    fused_multiply_add: bool = True
     f32_state_rows: bool = False
     fwd_parallel: bool = False
     parallel_num_warps: int = 4
