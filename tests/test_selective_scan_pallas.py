@@ -108,6 +108,8 @@ TINY_FAST = dataclasses.replace(TINY, fast_math=True, fused_multiply_add=True, f
 TINY_EXACT = dataclasses.replace(TINY, fast_math=False, fused_multiply_add=False, bwd_hide_channel_alignment=None,
                                  bwd_prefetch_rows=False)
 
+TINY_STRIDE = dataclasses.replace(TINY, bwd_sub_chunk=2, bwd_adjoint_stride=2)
+
 # (id, shape (Bt, T, d, n, g), dtype, options, softplus, config, tol)
 CASES = [
     ("f32-all-reset-groups", (2, 37, 8, 4, 2), jnp.float32,
@@ -126,6 +128,14 @@ CASES = [
      dict(with_reset=True), True, TINY_FAST, 1e-2),
     ("f32-all-reset-groups-exact-math", (2, 37, 8, 4, 2), jnp.float32,
      dict(with_reset=True), True, TINY_EXACT, 3e-5),
+    # an adjoint stored every 2 sub-chunks of 2 steps: two blocks per chunk of 8, resets inside blocks
+    ("f32-all-reset-groups-adjoint-stride-2", (2, 37, 8, 4, 2), jnp.float32,
+     dict(with_reset=True), True, TINY_STRIDE, 3e-5),
+    ("bf16-all-reset-n5-split-adjoint-stride-2", (1, 70, 12, 5, 1), jnp.bfloat16,
+     dict(with_reset=True), True, dataclasses.replace(TINY_SPLIT, bwd_sub_chunk=2, bwd_adjoint_stride=2), 1e-2),
+    ("f32-bare-adjoint-stride-4", (2, 19, 4, 3, 1), jnp.float32,
+     dict(with_D=False, with_z=False, with_bias=False, with_h0=False), True,
+     dataclasses.replace(TINY, bwd_sub_chunk=2, bwd_adjoint_stride=4), 3e-5),
 ]
 
 
@@ -295,8 +305,9 @@ def _lower_for_h200(shape, dtype, config, *, with_reset):
     ((8, 2048, 1536, 16, 1), jnp.bfloat16, ScanBlockConfig(bwd_prefetch_rows=True), True),
     ((8, 2048, 1536, 16, 1), jnp.bfloat16, ScanBlockConfig(fast_math=True, fused_multiply_add=True, f32_state_rows=True,
                                                            bwd_hide_channel_alignment=False), True),
+    ((8, 2048, 1536, 16, 1), jnp.bfloat16, ScanBlockConfig(bwd_adjoint_stride=2), True),
 ], ids=["perf-shape-default", "odd-shape-reset", "perf-shape-no-reuse-decay", "perf-shape-parallel-forward",
-        "perf-shape-prefetch-rows", "perf-shape-fast-math"])
+        "perf-shape-prefetch-rows", "perf-shape-fast-math", "perf-shape-adjoint-stride-2"])
 def test_kernels_lower_to_triton_for_h200(shape, dtype, config, with_reset):
     text = _lower_for_h200(shape, dtype, config, with_reset=with_reset)
     # forward: summaries, combine, outputs; backward: adjoint summaries, adjoint combine, gradients
@@ -367,10 +378,35 @@ def test_automatic_choice_falls_back_to_xla_with_one_warning_and_prefers_pallas_
 
 @pytest.mark.parametrize("field,value", [("block_d", 3), ("fwd_unroll", 0), ("bwd_sub_chunk", 6), ("chunk", 12),
                                          ("num_warps", 3), ("num_stages", 0), ("bwd_block_d", 24),
-                                         ("bwd_num_warps", 0), ("prefetch_bc", 1)])
+                                         ("bwd_num_warps", 0), ("prefetch_bc", 1), ("bwd_adjoint_stride", 3),
+                                         ("fast_math", 1), ("bwd_hide_channel_alignment", 0)])
 def test_bad_block_config_raises_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         ScanBlockConfig(**{field: value}).validate()
+
+
+def test_chunk_must_hold_whole_stored_adjoint_blocks():
+    with pytest.raises(ValueError, match="bwd_adjoint_stride"):
+        ScanBlockConfig(chunk=8, bwd_sub_chunk=4, bwd_adjoint_stride=4).validate()
+
+
+def test_adjoint_stride_stores_fewer_sub_chunk_adjoints():
+    """The point of the option: the scratch the adjoint summaries write shrinks by the stride."""
+    from pallas_kernels.selective_scan import backward
+    from pallas_kernels.selective_scan.scan import kernel_operands, make_problem, padded_operands
+
+    args, _ = make_inputs((1, 32, 8, 4, 1), jnp.float32)
+    sizes = {}
+    for stride in (1, 2):
+        cfg = dataclasses.replace(TINY, bwd_sub_chunk=2, bwd_adjoint_stride=stride)
+        problem = make_problem(args["u"], args["A"], args["B"], args["D"], args["z"], args["delta_bias"], None,
+                               delta_softplus=True, config=cfg, interpret=True).for_backward()
+        ops = padded_operands(problem, *(args[k] for k in NAMES), None)
+        d_out = jnp.ones_like(args["u"])
+        shapes = jax.eval_shape(lambda o: backward.adjoint_summaries(problem, o),
+                                kernel_operands(problem, *ops[:8], None, d_out=d_out))
+        sizes[stride] = shapes[1].shape
+    assert sizes[1][2] == 2 * sizes[2][2] == 4   # [Bt, nc, stored adjoints per chunk, n, d]
 
 
 def test_config_is_shrunk_to_the_call():
@@ -392,6 +428,10 @@ GPU_CASES = [  # (id, shape, dtype, options, config (None: the default), tol)
     ("perf-shape-bf16", (8, 2048, 1536, 16, 1), jnp.bfloat16, dict(), None, 1e-2),
     ("perf-shape-bf16-fast-f32-rows", (8, 2048, 1536, 16, 1), jnp.bfloat16, dict(), FAST, 1e-2),
     ("perf-shape-bf16-exact-math", (8, 2048, 1536, 16, 1), jnp.bfloat16, dict(), EXACT, 1e-2),
+    ("perf-shape-bf16-adjoint-stride-2", (8, 2048, 1536, 16, 1), jnp.bfloat16, dict(),
+     ScanBlockConfig(bwd_adjoint_stride=2), 1e-2),
+    ("f32-odd-everything-adjoint-stride-2", (2, 333, 40, 5, 2), jnp.float32, dict(with_reset=True),
+     ScanBlockConfig(bwd_adjoint_stride=2), 1e-4),
     ("bf16-reset-groups-odd-T-fast", (3, 1000, 192, 16, 3), jnp.bfloat16, dict(with_reset=True), FAST, 1e-2),
     ("f32-odd-everything-fast", (2, 333, 40, 5, 2), jnp.float32, dict(with_reset=True), FAST, 1e-4),
     ("f16-bare-fast", (2, 300, 64, 16, 1), jnp.float16,

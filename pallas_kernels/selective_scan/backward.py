@@ -22,6 +22,10 @@ to the input dtype when stored; partial sums are float32 and reduced outside the
 order (no atomics, so two runs are bit-identical). ā_t·h_{t-1} is formed from the kept h_{t-1} (no
 h_t − β_t cancellation). HBM passes: (1) reads delta, z, d_out, C; (3) reads every input once and writes
 the gradients; the sub-chunk adjoints are [Bt, T/bwd_sub_chunk, n, d] float32, written once and read once.
+With `bwd_adjoint_stride` s > 1 an adjoint is stored only every s sub-chunks (1/s of that scratch): the
+gradients kernel then takes s sub-chunks per iteration, finds their start states with one forward pass,
+and walks them last to first, each with its own forward-keeping pass (the adjoint leaving one sub-chunk
+to the left is the one entering its left neighbour).
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ def adjoint_summaries(problem: ScanProblem, ops: dict):
     """
     cfg = problem.config
     bsz = ops["delta"].shape[0]
-    n, bd, sub, nk = problem.n, cfg.block_d, cfg.bwd_sub_chunk, problem.n_sub_chunks
+    # one stored adjoint per problem.adjoint_steps steps (bwd_sub_chunk × bwd_adjoint_stride)
+    n, bd, sub, nk = problem.n, cfg.block_d, problem.adjoint_steps, problem.n_stored_adjoints
     prefetch = cfg.bwd_prefetch_rows
     grid = problem.grid(bsz)
 
@@ -135,7 +140,9 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
     """
     cfg = problem.config
     bsz, _, d = ops["u"].shape
-    n, bd, sub, nk, nc = problem.n, cfg.block_d, cfg.bwd_sub_chunk, problem.n_sub_chunks, problem.n_chunks
+    n, bd, sub, nc = problem.n, cfg.block_d, cfg.bwd_sub_chunk, problem.n_chunks
+    stride, nb = cfg.bwd_adjoint_stride, problem.n_stored_adjoints
+    block = sub * stride                       # steps per loop iteration (one stored adjoint)
     has_z, has_D, softplus = problem.has_z, problem.has_D, problem.softplus
     prefetch = cfg.bwd_prefetch_rows
     grid = problem.grid(bsz)
@@ -147,36 +154,40 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
         D = rd.load("D").astype(F32) if has_D else None
         G = rd.load("G")
 
-        def sub_rows(k):   # the rows of sub-chunk k (clamped: a harmless reload past the end)
-            k = jnp.minimum(k, nk - 1)
-            return rd.load_rows(GRADIENT_ROWS, [k * sub + i for i in range(sub)])
+        def block_rows(k):   # the rows of block k (clamped: a harmless reload past the end)
+            k = jnp.minimum(k, nb - 1)
+            return rd.load_rows(GRADIENT_ROWS, [k * block + i for i in range(block)])
 
-        def sub_chunk(k, carry):
-            h, dA, dD, d_bias, loaded = carry
-            ahead = sub_rows(k + 1) if prefetch else None
-            ts = [k * sub + i for i in range(sub)]
+        def step_rows(ts, loaded):
             rows = []
-            for t, g in zip(ts, loaded if prefetch else [{}] * sub):
+            for t, g in zip(ts, loaded):
                 raw = rd.delta_raw(t, g.get("delta"))
                 gy, d_out, z, sz = output_gradient(rd, t, has_z, g)
                 rows.append(dict(t=t, raw=raw, dl=rd.delta(t, raw), u=rd.row("u", t, g.get("u")), keep=rd.keep(t),
                                  gy=gy,
                                  d_out=d_out, z=z, sz=sz, b=rd.prefetch_state_row("B", t),
                                  c=rd.prefetch_state_row("C", t)))
-            # Forward over the sub-chunk, keeping every state (registers: sub × [n, block_d]).
+            return rows
+
+        def forward(h, rows, keep_all):
+            """The states over `rows` from h: every state and decay (registers: len(rows) + 1 and
+            len(rows) [n, block_d] tiles) with keep_all, else only the last state."""
             states, decays = [h], []
             for r in rows:
                 b = rd.state_row("B", r["t"], r["b"])
-                decays.append(m.decay(r["dl"], A, r["keep"]))
-                states.append(m.fma(decays[-1], states[-1], (r["dl"] * r["u"])[None, :] * b[:, None]))
+                a = m.decay(r["dl"], A, r["keep"])
+                h = m.fma(a, h, (r["dl"] * r["u"])[None, :] * b[:, None])
+                if keep_all:
+                    states.append(h)
+                    decays.append(a)
+            return (states, decays) if keep_all else h
+
+        def reverse(rows, states, decays, c, dA, dD, d_bias):
+            """Walks a sub-chunk right to left from the adjoint c entering it from the right: stores
+            its per-step gradients, returns the adjoint leaving it to the left and the accumulators."""
             reuse = cfg.bwd_reuse_decay
-            # The true adjoint entering the sub-chunk from the right.
-            psi = jnp.exp2(A * rd.load("sub_right_delta", k)[None, :])
-            if problem.has_reset:
-                psi = psi * refs["sub_keep_right"][k]
-            c = m.fma(psi, G, rd.load("sub_adjoint", k))
             row_stores = []   # per-channel rows are stored after the walk (see forward.chunk_outputs)
-            for i in reversed(range(sub)):
+            for i in reversed(range(len(rows))):
                 r = rows[i]
                 h_t, h_prev = states[i + 1], states[i]
                 a = decays[i] if reuse else m.decay(r["dl"], A, r["keep"])
@@ -207,12 +218,32 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
                     row_stores.append(("dz", t, r["d_out"] * y * (sz * (1.0 + z * (1.0 - sz)))))
             for name, t, value in row_stores:
                 rd.store(name, value, t)
-            return states[-1], dA, dD, d_bias, ahead
+            return c, dA, dD, d_bias
+
+        def block_step(k, carry):
+            h, dA, dD, d_bias, loaded = carry
+            ahead = block_rows(k + 1) if prefetch else None
+            rows = step_rows([k * block + i for i in range(block)], loaded if prefetch else [{}] * block)
+            subs = [rows[s * sub:(s + 1) * sub] for s in range(stride)]
+            starts = [h]                  # the state entering each sub-chunk of the block
+            for s in range(stride - 1):
+                starts.append(forward(starts[-1], subs[s], keep_all=False))
+            # The true adjoint entering the block from the right.
+            psi = jnp.exp2(A * rd.load("sub_right_delta", k)[None, :])
+            if problem.has_reset:
+                psi = psi * refs["sub_keep_right"][k]
+            c = m.fma(psi, G, rd.load("sub_adjoint", k))
+            h_end = None
+            for s in reversed(range(stride)):     # right to left; each forward keeps its sub-chunk's states
+                states, decays = forward(starts[s], subs[s], keep_all=True)
+                h_end = states[-1] if h_end is None else h_end
+                c, dA, dD, d_bias = reverse(subs[s], states, decays, c, dA, dD, d_bias)
+            return h_end, dA, dD, d_bias, ahead
 
         zeros_row = jnp.zeros((bd,), F32)
-        first = sub_rows(0) if prefetch else None
+        first = block_rows(0) if prefetch else None
         _, dA, dD, d_bias, _ = jax.lax.fori_loop(
-            0, nk, sub_chunk, (rd.load("H"), jnp.zeros((n, bd), F32), zeros_row, zeros_row, first))
+            0, nb, block_step, (rd.load("H"), jnp.zeros((n, bd), F32), zeros_row, zeros_row, first))
         rd.store("dA_partial", dA)
         if has_D:
             rd.store("dD_partial", dD)
@@ -222,11 +253,11 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
     inputs = common_inputs(problem, grid, ops, ("u", "delta", "z", "d_out", "B", "C", "A_t", "D", "bias", "keep")) + [
         ("H", chunk_start_states, grid.chunk_state(n, bd)),
         ("G", chunk_right_adjoints, grid.chunk_state(n, bd)),
-        ("sub_adjoint", sub_adjoint, grid.sub_chunk_states(nk, n, bd)),
-        ("sub_right_delta", sub_right_delta, grid.sub_chunk_vectors(nk, bd)),
+        ("sub_adjoint", sub_adjoint, grid.sub_chunk_states(nb, n, bd)),
+        ("sub_right_delta", sub_right_delta, grid.sub_chunk_vectors(nb, bd)),
     ]
     if problem.has_reset:
-        inputs.append(("sub_keep_right", sub_keep_right, grid.sub_chunk_flags(nk)))
+        inputs.append(("sub_keep_right", sub_keep_right, grid.sub_chunk_flags(nb)))
     rows_spec = grid.rows(cfg.chunk, bd)
     tp = problem.padded_seqlen
     outputs = [

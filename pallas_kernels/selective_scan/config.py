@@ -64,6 +64,14 @@ class ScanBlockConfig:
         instruction on the GPU (XLA does not let the compiler contract them itself). On by default.
         With fast_math, the hint change and the prefetch (H200, B=8 T=2048, fwd+bwd kernel sum):
         2290 -> 1925 us; the chunk outputs 332 -> 241, the gradients 1329 -> 1054.
+      bwd_adjoint_stride: the adjoint summaries store the local adjoint every `bwd_adjoint_stride`
+        sub-chunks instead of every sub-chunk (a scratch of [Bt, T / (bwd_sub_chunk·stride), n, d]
+        float32 instead of [Bt, T / bwd_sub_chunk, n, d]: 805 MB → 402 MB per layer at B=8 T=2048
+        with stride 2). The gradients kernel then walks a block of `stride` sub-chunks right to left:
+        one forward pass to find each sub-chunk's start state, then per sub-chunk (last first) the
+        usual forward keeping its states and the reverse walk, whose adjoint enters the next one to
+        the left. Costs (stride − 1) / stride more forward recomputation. Power of two; 1 by default
+        (2 is CPU-tested, not yet timed on the H200).
       f32_state_rows: the kernels read B and C converted to float32 instead of unpacking bf16 / f16
         B and C rows in every step of every kernel. Bit-identical. Off: fewer instructions, but the
         chunk-outputs kernel ran slower with it on the H200 (241 -> 297 us; gradients 1054 -> 1037).
@@ -99,6 +107,7 @@ class ScanBlockConfig:
     fast_math: bool = True
     fused_multiply_add: bool = True
     f32_state_rows: bool = False
+    bwd_adjoint_stride: int = 1
     fwd_parallel: bool = False
     parallel_num_warps: int = 4
     fwd_mosaic: bool = False
@@ -106,7 +115,7 @@ class ScanBlockConfig:
 
     def validate(self) -> "ScanBlockConfig":
         for name in ("block_d", "fwd_unroll", "bwd_sub_chunk", "num_warps", "bwd_block_d", "bwd_num_warps",
-                     "parallel_num_warps"):
+                     "parallel_num_warps", "bwd_adjoint_stride"):
             v = getattr(self, name)
             if v is None and name.startswith("bwd_") and name != "bwd_sub_chunk":
                 continue
@@ -118,6 +127,9 @@ class ScanBlockConfig:
             if self.chunk % getattr(self, name):
                 raise ValueError(f"ScanBlockConfig.chunk ({self.chunk}) must be a multiple of {name} "
                                  f"({getattr(self, name)})")
+        if self.chunk % (self.bwd_sub_chunk * self.bwd_adjoint_stride):
+            raise ValueError(f"ScanBlockConfig.chunk ({self.chunk}) must be a multiple of bwd_sub_chunk × "
+                             f"bwd_adjoint_stride ({self.bwd_sub_chunk} × {self.bwd_adjoint_stride})")
         for name in ("prefetch_bc", "hide_channel_alignment", "bwd_reuse_decay", "bwd_prefetch_rows", "fwd_parallel",
                      "fwd_mosaic", "bwd_mosaic", "fast_math", "fused_multiply_add", "f32_state_rows"):
             if not isinstance(getattr(self, name), bool):
@@ -135,7 +147,7 @@ class ScanBlockConfig:
         def fit(block_d):
             return min(block_d, largest_power_of_2_dividing(group_size), next_power_of_2(d))
 
-        step = max(self.fwd_unroll, self.bwd_sub_chunk)
+        step = max(self.fwd_unroll, self.bwd_sub_chunk * self.bwd_adjoint_stride)
         chunk = self.chunk
         if seqlen < chunk:  # one chunk covers the sequence: round it up to whole unrolled steps
             chunk = round_up(seqlen, step)
@@ -195,6 +207,16 @@ class ScanProblem:
     @property
     def n_sub_chunks(self) -> int:
         return self.config.chunk // self.config.bwd_sub_chunk
+
+    @property
+    def adjoint_steps(self) -> int:
+        """Steps between two stored sub-chunk adjoints (bwd_sub_chunk × bwd_adjoint_stride)."""
+        return self.config.bwd_sub_chunk * self.config.bwd_adjoint_stride
+
+    @property
+    def n_stored_adjoints(self) -> int:
+        """Stored sub-chunk adjoints per chunk."""
+        return self.config.chunk // self.adjoint_steps
 
     @property
     def has_time_padding(self) -> bool:

@@ -186,10 +186,11 @@ def _keep_per_chunk(problem: ScanProblem, keep):
 
 
 def _keep_right_of_sub_chunks(problem: ScanProblem, keep):
-    """[Bt, Tp] -> [Bt, nc, nk]: 0.0 where a reset lies right of sub-chunk k inside chunk j."""
+    """[Bt, Tp] -> [Bt, nc, nk]: 0.0 where a reset lies right of stored-adjoint block k inside chunk j
+    (blocks of problem.adjoint_steps steps)."""
     if keep is None:
         return None
-    nk, sub = problem.n_sub_chunks, problem.config.bwd_sub_chunk
+    nk, sub = problem.n_stored_adjoints, problem.adjoint_steps
     has_reset = 1.0 - jnp.min(keep.reshape(keep.shape[0], problem.n_chunks, nk, sub), axis=-1)
     suffix = jnp.flip(jnp.cumsum(jnp.flip(has_reset, -1), -1), -1) - has_reset   # resets strictly right
     return jnp.where(suffix > 0, 0.0, 1.0).astype(F32)
