@@ -3,7 +3,9 @@
 Every call of the train step flattens the incoming TrainState into its leaf arrays (jax's argument
 parsing) and unflattens the returned one; for a 130m-class LM that is ~780 parameter leaves, times
 three with AdamW's moments. This script times that host work on its own, for the state as
-`TrainState.create` builds it:
+`TrainState.create` builds it (params and optimizer state as plain dicts) and for its
+`nnx_view()`, the same arrays in the `nnx.State` trees the TrainState held before (one
+`nnx.Variable` per parameter leaf, each a Python pytree callback both ways):
 
 - `flatten`: `jax.tree.flatten(state)`;
 - `unflatten`: `jax.tree.unflatten(treedef, leaves)`;
@@ -102,7 +104,10 @@ def main(argv=None):
     print("| state | flatten ms | unflatten ms | dispatch ms | dispatch + sync ms |")
     print("|---|---|---|---|---|")
     rows = []
-    for name, st in (("TrainState.create", state),):
+    variants = [("TrainState.create", state)]
+    if getattr(state, "nnx_layout", None) is not None:   # the nnx.State layout the state had before
+        variants.append(("nnx trees (nnx_view)", state.nnx_view()))
+    for name, st in variants:
         s = measure(st, a.iters)
         print(f"| {name} | {s['flatten'] * 1e3:.3f} | {s['unflatten'] * 1e3:.3f} | {s['dispatch'] * 1e3:.3f} | "
               f"{s['dispatch + sync'] * 1e3:.3f} |", flush=True)
