@@ -99,7 +99,7 @@ def case_fused(arch, fsdp):
             "recurrent": max_rel(multi.recurrent_state, single.recurrent_state),
             "step_equal": int(multi.step) == int(single.step),
             "recurrent_spec": sharded[".recurrent_state[0].ssm"],
-            "param_spec": sharded[".params['layers'][0]['mixer']['out_proj']['kernel'].value"]}
+            "param_spec": sharded[".params['layers'][0]['mixer']['out_proj']['kernel']"]}
 
 
 def case_f16_scaler():

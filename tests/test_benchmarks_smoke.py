@@ -18,6 +18,7 @@ EXPECTED = {
     "bench_dispatch.py": ("variant", {"fwd+bwd, cotangent closed over", "trivial: one scalar add"}),
     "bench_decode.py": ("impl", {"jmamba", "jmamba-stream"}),
     "bench_fused_adamw.py": ("variant", {"optax.adamw", "fused xla"}),
+    "bench_host_dispatch.py": ("state", {"TrainState.create", "nnx trees"}),
     "bench_mamba1_mixer.py": ("variant", {"fused-pallas", "unfused", "xla"}),
     "bench_mamba3_scan.py": ("impl", {"pallas", "xla", "reference"}),
     "bench_mosaic_forward.py": ("variant", {"triton", "mosaic c16"}),

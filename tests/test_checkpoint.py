@@ -114,7 +114,8 @@ def test_a_checkpoint_of_the_old_layout_restores(tmp_path):
     opt = optax.adamw(1e-2)
     new = TrainState.create(model, opt, 2)
     new = new.replace(params=jax.tree.map(lambda a: a + 0.25, new.params), step=jnp.asarray(5, jnp.int32))
-    old = OldTrainState(params=new.params, opt_state=new.opt_state, recurrent_state=new.recurrent_state, step=new.step)
+    old = OldTrainState(params=new.nnx_params(), opt_state=new.nnx_opt_state(), recurrent_state=new.recurrent_state,
+                        step=new.step)
     save_checkpoint(tmp_path, old, config=TINY_MAMBA3)
     meta_path = os.path.join(tmp_path, "5", "meta", "metadata")
     meta = json.load(open(meta_path))

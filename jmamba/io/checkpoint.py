@@ -2,7 +2,11 @@
 
 Layout: `<directory>/<step>/` per checkpoint (orbax `CheckpointManager`), each holding
   * `state`: every array leaf of the TrainState (master params, optimizer state, step, loss-scale
-    state, recurrent state, gradient accumulator), stored under its key path (`.params['layers'][0]...`);
+    state, recurrent state, gradient accumulator), stored under its key path
+    (`.params['layers'][0]['mixer']['A_log'].value`). A state class may name the tree to store with a
+    `checkpoint_tree()` method and take it back with `from_checkpoint_tree(tree)`: the TrainState
+    stores the nnx.State view of its plain-dict params and optimizer state, so the key paths are
+    those of the nnx layout, the same before and after the TrainState kept plain dicts;
   * `meta`: JSON with the format version, the config (`jmamba.configs`), the key paths with their
     shapes/dtypes, and the caller's `extras` (RNG key, data position, anything JSON-able).
 
@@ -51,6 +55,13 @@ class CheckpointMismatchError(ValueError):
 def _check_state(state, name):
     if not (hasattr(state, "step") and hasattr(state, "replace") and jax.tree.leaves(state)):
         raise TypeError(f"{name} must be a jmamba.TrainState, got {type(state).__name__}")
+
+
+def _stored_tree(state):
+    """The tree a checkpoint stores for `state`: `state.checkpoint_tree()` when its class defines one
+    (the TrainState stores its nnx.State view, keeping the key paths of that layout), else `state`."""
+    hook = getattr(state, "checkpoint_tree", None)
+    return state if hook is None else hook()
 
 
 def _flatten(state) -> dict[str, Any]:
@@ -108,7 +119,7 @@ def save_checkpoint(directory, state, *, config=None, extras: Optional[dict] = N
         raise RuntimeError("cannot checkpoint while a split-API forward is pending: run backward_step first")
     if getattr(state, "accumulating", False):
         raise RuntimeError("cannot checkpoint inside an open gradient-accumulation window")
-    flat = _flatten(state)
+    flat = _flatten(_stored_tree(state))
     meta = {
         "format_version": FORMAT_VERSION,
         "config": None if config is None else config_to_dict(config),
@@ -209,7 +220,8 @@ def restore_checkpoint(directory, like, *, step: Optional[int] = None, config=No
             raise CheckpointError(f"checkpoint step {step} in {directory} has format "
                                   f"{meta.get('format_version')!r}, this jmamba reads {FORMAT_VERSION}")
         _check_config(meta.get("config"), config)
-        flat_like = _flatten(like)
+        like_tree = _stored_tree(like)
+        flat_like = _flatten(like_tree)
         upgrades = {k: src for k, src in getattr(type(like), "checkpoint_upgrades", {}).items()
                     if k in flat_like and k not in meta["leaves"] and (src is None or src in meta["leaves"])}
         _check_leaves(meta["leaves"], {k: v for k, v in flat_like.items() if k not in upgrades})
@@ -230,7 +242,8 @@ def restore_checkpoint(directory, like, *, step: Optional[int] = None, config=No
         kind = jnp.result_type(flat_like[k])
         flat[k] = jnp.zeros(np.shape(flat_like[k]), kind) if src is None else jnp.asarray(flat[src]).astype(kind)
     leaves = [jnp.asarray(flat[k]) for k in flat_like]
-    return jax.tree.unflatten(jax.tree.structure(like), leaves)
+    restored = jax.tree.unflatten(jax.tree.structure(like_tree), leaves)
+    return like.from_checkpoint_tree(restored) if like_tree is not like else restored
 
 
 def _check_config(saved, given):

@@ -89,8 +89,9 @@ def _classify(model_or_params, mode):
     bare = [dotted_path(p) for p, v in variables if not isinstance(v, nnx.Variable)]
     if bare:
         raise TypeError("no_decay_mask needs the model or its nnx.State of parameters "
-                        "(nnx.state(model, nnx.Param), or TrainState.params), whose parameters carry the "
-                        f"no-decay tags; got plain arrays at {bare[:3]} (a pure dict has no metadata)")
+                        "(nnx.state(model, nnx.Param), or TrainState.nnx_params()), whose parameters carry "
+                        f"the no-decay tags; got plain arrays at {bare[:3]} (a pure dict, such as "
+                        "TrainState.params, has no metadata)")
     out = []
     for path, var in variables:
         modes = var.get_metadata().get(NO_DECAY_KEY, ())
@@ -103,7 +104,8 @@ def no_decay_mask(model_or_params: Any, *args, mode: str = "reference") -> Any:
 
     Args:
       model_or_params: a jmamba module (backbone, `MambaLM`, mixer) or its `nnx.State` of params
-        (`nnx.state(model, nnx.Param)`, `TrainState.params`).
+        (`nnx.state(model, nnx.Param)`, `TrainState.nnx_params()`; not the plain-dict
+        `TrainState.params`, which carries no tags).
       mode: "reference" (mamba-rs groups, default), "official" (official `_no_weight_decay`
         markers) or "none" (decay everything); may be given positionally. The old call
         `no_decay_mask(params, arch, mode)` still works (arch is ignored, with a DeprecationWarning).

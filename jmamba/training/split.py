@@ -65,8 +65,11 @@ class ForwardContext:
         self.state_rows_reset = 0
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "precision", "truncate_bptt", "guard", "remat"))
-def _forward_jit(params, recurrent_state, batch, *, graphdef, precision, truncate_bptt, guard, remat):
+@functools.partial(jax.jit, static_argnames=("graphdef", "layout", "precision", "truncate_bptt", "guard", "remat"))
+def _forward_jit(params, recurrent_state, batch, *, graphdef, layout, precision, truncate_bptt, guard, remat):
+    # params arrive as the TrainState keeps them (plain dicts); the model runs on the nnx.State
+    if layout is not None:
+        params = layout.params_to_nnx(params)
     return forward_with_vjp(graphdef, params, recurrent_state, batch, precision=precision,
                             truncate_bptt=truncate_bptt, guard=guard, remat=remat)
 
@@ -74,8 +77,11 @@ def _forward_jit(params, recurrent_state, batch, *, graphdef, precision, truncat
 @functools.partial(jax.jit, static_argnames=("optimizer", "clip_max_norm", "accumulate_only", "guard"),
                    donate_argnums=(0,))
 def _backward_jit(state, vjp_fn, d_out, *, optimizer, clip_max_norm, accumulate_only, guard):
-    return apply_gradients(state, vjp_fn, d_out, state.recurrent_state, optimizer,
-                           clip_max_norm=clip_max_norm, accumulate_only=accumulate_only, guard=guard)
+    layout = state.nnx_layout
+    view = state.nnx_view()
+    new_view, metrics = apply_gradients(view, vjp_fn, d_out, view.recurrent_state, optimizer,
+                                        clip_max_norm=clip_max_norm, accumulate_only=accumulate_only, guard=guard)
+    return TrainState.from_nnx_view(new_view, layout), metrics
 
 
 def forward(model: nnx.Module, state: TrainState, batch: dict, *, precision="f32",
@@ -111,8 +117,8 @@ def forward(model: nnx.Module, state: TrainState, batch: dict, *, precision="f32
         if mesh is not None:
             state, batch = shard_state(state, mesh, fsdp=fsdp), shard_batch(batch, mesh)
         outputs, vjp_fn, (new_rec, rows_reset) = _forward_jit(
-            state.params, state.recurrent_state, batch, graphdef=nnx.graphdef(model), precision=precision,
-            truncate_bptt=truncate_bptt, guard=nonfinite_guard, remat=check_remat(remat))
+            state.params, state.recurrent_state, batch, graphdef=nnx.graphdef(model), layout=state.nnx_layout,
+            precision=precision, truncate_bptt=truncate_bptt, guard=nonfinite_guard, remat=check_remat(remat))
     token = next(_TOKENS)
     ctx = ForwardContext(vjp_fn, shape_of(outputs), precision, token, mesh)
     ctx.state_rows_reset = rows_reset

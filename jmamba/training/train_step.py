@@ -94,6 +94,10 @@ def make_train_step(model: nnx.Module, optimizer, *,
     vocab_size = token_vocab(model)
 
     def core(state: TrainState, batch):
+        # The state arrives with plain-dict params / optimizer state (cheap to pass through the jit
+        # boundary); the model and optimizer run on the nnx trees rebuilt here, at trace time.
+        layout = state.nnx_layout
+        state = state.nnx_view()
         outputs, vjp_fn, (new_rec, rows_reset) = forward_with_vjp(
             graphdef, state.params, state.recurrent_state, batch, precision=precision,
             truncate_bptt=truncate_bptt, guard=nonfinite_guard, remat=remat, narrow_outputs=True)
@@ -124,7 +128,7 @@ def make_train_step(model: nnx.Module, optimizer, *,
                                        clip_max_norm=clip_max_norm, accumulate_only=False,
                                        guard=nonfinite_guard, loss=loss, out_dtype=out_dtype)
         metrics.update(m)
-        return new_state, metrics
+        return TrainState.from_nnx_view(new_state, layout), metrics
 
     donate_argnums = (0,) if donate else ()
     if mesh is None:
