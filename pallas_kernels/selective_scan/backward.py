@@ -228,15 +228,17 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
             starts = [h]                  # the state entering each sub-chunk of the block
             for s in range(stride - 1):
                 starts.append(forward(starts[-1], subs[s], keep_all=False))
-            # The true adjoint entering the block from the right.
-            psi = jnp.exp2(A * rd.load("sub_right_delta", k)[None, :])
-            if problem.has_reset:
-                psi = psi * refs["sub_keep_right"][k]
-            c = m.fma(psi, G, rd.load("sub_adjoint", k))
-            h_end = None
+            h_end, c = None, None
             for s in reversed(range(stride)):     # right to left; each forward keeps its sub-chunk's states
                 states, decays = forward(starts[s], subs[s], keep_all=True)
-                h_end = states[-1] if h_end is None else h_end
+                if c is None:
+                    # The true adjoint entering the block from the right (formed after the forward
+                    # pass: earlier, its tile stays live through it and costs registers).
+                    h_end = states[-1]
+                    psi = jnp.exp2(A * rd.load("sub_right_delta", k)[None, :])
+                    if problem.has_reset:
+                        psi = psi * refs["sub_keep_right"][k]
+                    c = m.fma(psi, G, rd.load("sub_adjoint", k))
                 c, dA, dD, d_bias = reverse(subs[s], states, decays, c, dA, dD, d_bias)
             return h_end, dA, dD, d_bias, ahead
 
