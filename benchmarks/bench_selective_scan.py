@@ -95,11 +95,10 @@ SWEEP_PARALLEL = [
 SWEEP_MOSAIC = [_D, dataclasses.replace(_D, fwd_mosaic=True), dataclasses.replace(_D, fwd_mosaic=True, chunk=128),
                 dataclasses.replace(_D, fwd_mosaic=True, chunk=32), dataclasses.replace(_D, bwd_mosaic=True),
                 dataclasses.replace(_D, fwd_mosaic=True, bwd_mosaic=True)]
-# `--sweep-set prefetch`: the backward kernels' rows loaded one sub-chunk ahead (session 23, not yet timed),
-# at the default sub-chunk and at 1 and 4 (the prefetch gives a short sub-chunk its latency cover).
-SWEEP_PREFETCH = [_D, dataclasses.replace(_D, bwd_prefetch_rows=True),
-                  dataclasses.replace(_D, bwd_prefetch_rows=True, bwd_sub_chunk=1),
-                  dataclasses.replace(_D, bwd_prefetch_rows=True, bwd_sub_chunk=4)]
+# `--sweep-set prefetch`: the backward kernels' rows loaded one sub-chunk ahead (the default since
+# 2026-12-04) against not, and with it at sub-chunks 1 and 4.
+SWEEP_PREFETCH = [_D, dataclasses.replace(_D, bwd_prefetch_rows=False),
+                  dataclasses.replace(_D, bwd_sub_chunk=1), dataclasses.replace(_D, bwd_sub_chunk=4)]
 SWEEP_SETS = {"default": SWEEP, "backward": SWEEP_BACKWARD, "sub-chunk": SWEEP_SUB_CHUNK,
               "parallel": SWEEP_PARALLEL, "mosaic": SWEEP_MOSAIC, "prefetch": SWEEP_PREFETCH}
 
@@ -199,7 +198,8 @@ def stage_breakdown(shape, config, iters, interpret):
     stage("fwd 3: chunk outputs", lambda o, h: forward.chunk_outputs(prob, o, h), ops, H)
     R, sub_adj, sub_rd = stage("bwd 1: adjoint summaries", lambda o: backward.adjoint_summaries(bprob, o), ops)
     G, _ = stage("bwd 2: adjoint combine",
-                 lambda A, r, s, h: combine.chunk_states(bprob, A, r, s, None, h, reverse=True), ops["A_t"], R, S, h0)
+                 lambda A, r, s, h: combine.chunk_states(scan.adjoint_combine_problem(prob), A, r, s, None, h,
+                                                         reverse=True), ops["A_t"], R, S, h0)
     g = stage("bwd 3: chunk gradients",
               lambda o, h, gg, sa, sr: backward.chunk_gradients(bprob, o, h, gg, sa, sr, None), ops, H, G, sub_adj, sub_rd)
     stage("bwd 4: XLA partial sums", lambda gg: scan.reduce_partials(gg, B4, C4), g)

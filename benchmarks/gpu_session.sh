@@ -36,11 +36,12 @@
 #                                                  the same with the optimized HLO of the op's fwd+bwd packed)
 #                                                  m3_qk16 m3_prof16 e2e3_qk16 (dq, dk̃ in bf16, the default, vs float32:
 #                                                  op sweep, per-kernel profiles of the op, train step with profile)
-# m1_prefetch: the Mamba-1 backward rows loaded a sub-chunk ahead (its GPU test, op sweep, train step;
-# e2e1_pf: the train step alone, log tagged by PF_TAG, for an A/B/A with e2e1_gc).
+# m1_prefetch: the Mamba-1 backward rows loaded a sub-chunk ahead, the default since 2026-12-04 (its GPU
+# test, op sweep, the train step without it; e2e1_pf: that train step alone, log tagged by PF_TAG, for an
+# A/B/A with e2e1_gc).
 # side_ops1: the Mamba-1 op side by side only (the official CUDA scan; needs only the selective-scan extension).
 # m1_prof: the Mamba-1 op's per-kernel profile (fwd+bwd) for each config of M1_CFGS (space-separated
-# "default" or K=V,... lists; default: "default bwd_prefetch_rows=True") at M1_SHAPE (b8t2048).
+# "default" or K=V,... lists; default: "default bwd_adjoint_stride=2") at M1_SHAPE (b8t2048).
 # m3_walk / e2e3_walk: the walking state passes, the default (profiles at both op shapes vs split and 32 rows,
 # GPU tests; e2e3_walk: the train step with the split passes). e2e3g: the train step with the defaults, gc frozen.
 # probe_anchor: our op timed inside the anchors' op process right after their timing (split, trace, gaps;
@@ -178,8 +179,8 @@ for s in $stages; do case $s in
   scan_sweep)  run scan_sweep_sub_chunk 240 python3 benchmarks/bench_selective_scan.py --sweep --sweep-set sub-chunk --shapes b8t2048 --impls pallas --iters 10 ;;
   m1_prefetch) run gpu_tests_m1_prefetch 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_selective_scan_pallas.py -k prefetching -rA ;
                run scan_sweep_prefetch 240 python3 benchmarks/bench_selective_scan.py --sweep --sweep-set prefetch --shapes b8t2048 --impls pallas --iters 10 ;
-               run e2e_mamba1_prefetch 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze --scan-config bwd_prefetch_rows=True ;;
-  m1_prof)     for cfg in ${M1_CFGS:-default bwd_prefetch_rows=True}; do tag=$(echo "$cfg" | tr '=,' '__')
+               run e2e_mamba1_prefetch 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze --scan-config bwd_prefetch_rows=False ;;
+  m1_prof)     for cfg in ${M1_CFGS:-default bwd_adjoint_stride=2}; do tag=$(echo "$cfg" | tr '=,' '__')
                  [ "$cfg" = default ] && cfg=""
                  run m1_profile_${M1_SHAPE:-b8t2048}_$tag 90 python3 benchmarks/profile_kernels.py mamba1 --shape ${M1_SHAPE:-b8t2048} --iters 10 ${cfg:+--scan-config $cfg} ; done ;;
   scan_parallel) run scan_sweep_parallel 240 python3 benchmarks/bench_selective_scan.py --sweep --sweep-set parallel --shapes b8t2048 --impls pallas --iters 10 ;;
@@ -197,7 +198,7 @@ for s in $stages; do case $s in
   e2e3_prof)   run e2e_mamba3_profile 170 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --profile 3 ;;
   e2e3_gc)     run e2e_mamba3_gc_freeze 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ;
                run e2e_mamba3_gc_default 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 ;;
-  e2e1_pf)     run e2e_mamba1_prefetch_${PF_TAG:-a} 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze --scan-config bwd_prefetch_rows=True ;;
+  e2e1_pf)     run e2e_mamba1_prefetch_${PF_TAG:-a} 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze --scan-config bwd_prefetch_rows=False ;;
   e2e1_gc)     run e2e_mamba1_gc_freeze 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ;;
   e2e3_nocb)   XLA_FLAGS="--xla_gpu_enable_command_buffer=" run e2e_mamba3_no_command_buffers 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 ;;
   e2e1_nocb)   XLA_FLAGS="--xla_gpu_enable_command_buffer=" run e2e_mamba1_no_command_buffers 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 ;;

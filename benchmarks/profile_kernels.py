@@ -238,6 +238,8 @@ def _mamba1_call(a):
 
 def _mamba3_call(a):
     """(fn, args) of the Mamba-3 SISO scan."""
+    if a.shape not in m3.SHAPES and not a.tiny:
+        raise SystemExit(f"--shape for mamba3: one of {sorted(m3.SHAPES)}")
     if a.tiny:
         (bsz, T), dims, chunk, a.shape, a.iters = m3.TINY["shape"], m3.TINY["dims"], m3.TINY["chunk"], "tiny", 1
     else:

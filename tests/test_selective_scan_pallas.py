@@ -99,8 +99,9 @@ def check_against_reference(args, reset, config, tol, softplus=True):
     return present, cts
 
 
-# The instruction-count options (kernel_math.KernelMath, config.py): in the interpreter the fast
-# softplus / sigmoid series and the float32 B/C rows run as on the GPU; fma is a·b + c there.
+# The instruction-count options (kernel_math.KernelMath, config.py) are the defaults, so TINY has them;
+# in the interpreter the softplus series runs as on the GPU, but ex2 / rcp / fma are plain jnp ops (and
+# XLA folds the fast σ back into its own sigmoid). TINY_FAST adds the float32 B/C rows.
 TINY_FAST = dataclasses.replace(TINY, fast_math=True, fused_multiply_add=True, f32_state_rows=True,
                                 bwd_hide_channel_alignment=False, bwd_prefetch_rows=True)
 
@@ -133,9 +134,9 @@ CASES = [
      dict(with_reset=True), True, TINY_STRIDE, 3e-5),
     ("bf16-all-reset-n5-split-adjoint-stride-2", (1, 70, 12, 5, 1), jnp.bfloat16,
      dict(with_reset=True), True, dataclasses.replace(TINY_SPLIT, bwd_sub_chunk=2, bwd_adjoint_stride=2), 1e-2),
-    ("f32-bare-adjoint-stride-4", (2, 19, 4, 3, 1), jnp.float32,
-     dict(with_D=False, with_z=False, with_bias=False, with_h0=False), True,
-     dataclasses.replace(TINY, bwd_sub_chunk=2, bwd_adjoint_stride=4), 3e-5),
+    # stride 4 with two stored blocks per chunk of 16 and resets inside and between them
+    ("f32-reset-adjoint-stride-4", (2, 45, 4, 3, 1), jnp.float32,
+     dict(with_reset=True), True, dataclasses.replace(TINY, chunk=16, bwd_sub_chunk=2, bwd_adjoint_stride=4), 3e-5),
 ]
 
 
@@ -378,7 +379,7 @@ def test_automatic_choice_falls_back_to_xla_with_one_warning_and_prefers_pallas_
 
 @pytest.mark.parametrize("field,value", [("block_d", 3), ("fwd_unroll", 0), ("bwd_sub_chunk", 6), ("chunk", 12),
                                          ("num_warps", 3), ("num_stages", 0), ("bwd_block_d", 24),
-                                         ("bwd_num_warps", 0), ("prefetch_bc", 1), ("bwd_adjoint_stride", 3),
+                                         ("bwd_num_warps", 0), ("prefetch_bc", 1), ("bwd_adjoint_stride", 3), ("bwd_adjoint_stride", None),
                                          ("fast_math", 1), ("bwd_hide_channel_alignment", 0)])
 def test_bad_block_config_raises_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -66,8 +66,9 @@ def adjoint_summaries(problem: ScanProblem, ops: dict):
 
     Returns:
       R [Bt, nc, n, d] f32: ā_first·dh_first of each chunk (local adjoint leaving it to the left);
-      sub_adjoint [Bt, nc, nk, n, d] f32: local adjoint entering each sub-chunk from its right;
-      sub_right_delta [Bt, nc, nk, d] f32: Σ δ over the steps of the chunk right of each sub-chunk.
+      sub_adjoint [Bt, nc, nk, n, d] f32: local adjoint entering each stored block (problem.adjoint_steps
+        steps: bwd_sub_chunk × bwd_adjoint_stride; nk = problem.n_stored_adjoints) from its right;
+      sub_right_delta [Bt, nc, nk, d] f32: Σ δ over the steps of the chunk right of each stored block.
     """
     cfg = problem.config
     bsz = ops["delta"].shape[0]
@@ -130,7 +131,7 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
       chunk_start_states: H_j [Bt, nc, n, d] f32 (forward state entering chunk j).
       chunk_right_adjoints: G_j [Bt, nc, n, d] f32 (adjoint entering chunk j from the right).
       sub_adjoint, sub_right_delta: from `adjoint_summaries`.
-      sub_keep_right: [Bt, nc, nk] f32, 0.0 where a reset lies right of sub-chunk k inside chunk j;
+      sub_keep_right: [Bt, nc, nk] f32, 0.0 where a reset lies right of stored block k inside chunk j;
         None without resets.
 
     Returns:

@@ -267,13 +267,18 @@ def _mosaic_scan_bwd(problem, u, delta, A_t, B, C, D, z, bias, starts, d_out, d_
             jnp.swapaxes(dh0, 1, 2), None)
 
 
+def adjoint_combine_problem(problem: ScanProblem) -> ScanProblem:
+    """The backward problem the adjoint combine runs with: the backward's channel block, the forward's
+    layout hint (it is the forward combine's kernel walked the other way; without the hint it ran
+    30 -> 40 us at B=8 T=2048 and 94 -> 139 us at B=2 T=8192 on the H200). `problem`: the forward's."""
+    bwd = problem.for_backward()
+    return dataclasses.replace(
+        bwd, config=dataclasses.replace(bwd.config, hide_channel_alignment=problem.config.hide_channel_alignment))
+
+
 def _scan_bwd(problem, residuals, cotangents):
-    # the adjoint combine keeps the forward's layout hint (it is the forward combine's kernel walked
-    # the other way; without the hint it ran 30 -> 40 us at B=8 T=2048, 94 -> 139 us at B=2 T=8192)
-    combine_hint = problem.config.hide_channel_alignment
+    combine_problem = adjoint_combine_problem(problem)
     problem = problem.for_backward()
-    combine_problem = dataclasses.replace(
-        problem, config=dataclasses.replace(problem.config, hide_channel_alignment=combine_hint))
     u, delta, A_t, B, C, D, z, bias, keep, starts, delta_sums = residuals
     d_out, d_last = cotangents
     if mosaic_applies(problem, keep, backward=True):
