@@ -59,7 +59,9 @@ class ScanBlockConfig:
         Triton 3.6 on sm_90 (benchmarks/triton_inspect.py). Off (False) by default since 2026-12-04.
       fast_math: softplus and the sigmoids from the hardware ex2 / rcp and a six-term series instead
         of libdevice (kernel_math.KernelMath): ~1e-6 relative instead of ~2.5e-7 on δ, a quarter of
-        a forward step's instructions fewer. On by default (2026-12-04).
+        a forward step's instructions fewer. On by default (2026-12-04). The prototypes behind
+        fwd_parallel / fwd_mosaic / bwd_mosaic keep the exact forms (a ~1e-6 difference in δ between
+        their passes and the Triton ones when mixed).
       fused_multiply_add: the kernels' a·b + c updates (state, adjoint, dA, the series) as one fma
         instruction on the GPU (XLA does not let the compiler contract them itself). On by default.
         With fast_math, the hint change and the prefetch (H200, B=8 T=2048, fwd+bwd kernel sum):
