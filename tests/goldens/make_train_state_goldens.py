@@ -62,17 +62,22 @@ def d_out_batch(k, bsz=2, T=8, d_model=16):
             "d_out": jnp.asarray(r.normal(size=(bsz, T, d_model)), jnp.float32)}
 
 
+def run_steps(step, state, batches):
+    """(final state, [metrics per step]) of `step` applied to each batch in turn."""
+    metrics = []
+    for batch in batches:
+        state, m = step(state, batch)
+        metrics.append(m)
+    return state, metrics
+
+
 def run_lm_fused_bf16():
     """MambaLM (Mamba-1), fused AdamW with the no-decay mask, bf16, clipping, 3 fused steps."""
     lm = lm_model()
     opt = lm_optimizer(lm)
     state = jmamba.TrainState.create(lm, opt, 2, precision="bf16")
     step = jmamba.make_train_step(lm, opt, loss_fn=jmamba.next_token_loss, precision="bf16", clip_max_norm=1.0)
-    metrics = []
-    for k in range(3):
-        state, m = step(state, lm_batch(k))
-        metrics.append(m)
-    return state, metrics
+    return run_steps(step, state, [lm_batch(k) for k in range(3)])
 
 
 def run_m3_f16_chain():
@@ -81,11 +86,7 @@ def run_m3_f16_chain():
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, mask=jmamba.no_decay_mask(model)))
     state = jmamba.TrainState.create(model, opt, 2, precision="f16")
     step = jmamba.make_train_step(model, opt, precision="f16")
-    metrics = []
-    for k in range(2):
-        state, m = step(state, d_out_batch(k))
-        metrics.append(m)
-    return state, metrics
+    return run_steps(step, state, [d_out_batch(k) for k in range(2)])
 
 
 def run_m1_split_accum():
@@ -110,11 +111,7 @@ def run_m1_multisteps():
     opt = optax.MultiSteps(jmamba.fused_adamw(1e-2), 2)
     state = jmamba.TrainState.create(model, opt, 2)
     step = jmamba.make_train_step(model, opt)
-    metrics = []
-    for k in range(3):
-        state, m = step(state, d_out_batch(10 + k))
-        metrics.append(m)
-    return state, metrics
+    return run_steps(step, state, [d_out_batch(10 + k) for k in range(3)])
 
 
 RUNS = {"lm_fused_bf16": run_lm_fused_bf16, "m3_f16_chain": run_m3_f16_chain,
