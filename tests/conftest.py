@@ -13,6 +13,12 @@ import pytest  # noqa: E402
 # numpy references and helpers live beside the tests.
 sys.path.insert(0, os.path.dirname(__file__))
 
+# A worker that dies mid-test (a native crash, a pytest-timeout kill) costs one re-run of that test,
+# not a hung session: see tests/xdist_recovery.py.
+from xdist_recovery import (pytest_handlecrashitem, pytest_report_teststatus,  # noqa: E402,F401
+                            pytest_terminal_summary)
+import xdist_recovery  # noqa: E402
+
 # The slowest test files, slowest first (seconds on 2 CPU cores, from `--durations=0`). Under
 # `pytest -n auto --dist loadfile` (`make test`) they are handed out first, so no long file starts
 # last and leaves the other workers idle (xdist's own order is by the number of tests in a file,
@@ -44,6 +50,7 @@ def pytest_configure(config):
         config.addinivalue_line("filterwarnings", f"error::DeprecationWarning:{module}")
     if hasattr(config.option, "loadscopereorder"):   # pytest-xdist: keep the order set below
         config.option.loadscopereorder = False
+    xdist_recovery.install(config)
 
 
 def pytest_collection_modifyitems(config, items):
