@@ -239,6 +239,19 @@ def test_rotation_in_the_chunk_gradient_launch_matches_reference(shape, dtype, s
     check_against_reference(arrays, states, chunk_size, tol, dataclasses.replace(ROTATE_IN_CHUNKS, **(options or {})))
 
 
+@pytest.mark.parametrize("shape,shared,config", [
+    ((2, 37, 4, 2, 8, 3, 2), False, Mamba3ScanConfig(fast_rotation=True)),
+    ((2, 37, 4, 1, 64, 16, 16), True, dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation=True))],
+    ids=["query-key-gradient-kernel", "rotation-in-chunk-gradients"])
+def test_fast_rotation_matches_reference(shape, shared, config):
+    """config.fast_rotation (cos / sin from θ − π; the hardware's approximations on the GPU) at each
+    place the kernels rotate: every value and cotangent, angles per head and shared."""
+    arrays, states = make_inputs(shape, jnp.float32, seed=24)
+    if shared:
+        arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
+    check_against_reference(arrays, states, 16, 2e-5, config)
+
+
 @pytest.mark.parametrize("N,S,with_z,option,fused", [
     (64, 16, True, {}, True), (16, 0, True, {}, True),
     (64, 16, False, {}, False),                                       # no Z: dADT with the keys launch
@@ -534,6 +547,15 @@ def test_stored_for_keys_lowers_for_h200():
     assert text.count("__gpu$xla.gpu.triton") == 8
 
 
+@pytest.mark.parametrize("config,kernels_rotating", [
+    (Mamba3ScanConfig(fast_rotation=True), 2),                                  # q/k forward, q/k gradients
+    (dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation=True), 3),            # q/k forward, two head launches
+    (Mamba3ScanConfig(), 0)], ids=["fast", "fast-rotation-in-chunk-gradients", "default-libdevice"])
+def test_fast_rotation_lowers_to_the_hardware_instructions(config, kernels_rotating):
+    text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
+    assert text.count("cos.approx.ftz.f32") == text.count("sin.approx.ftz.f32") == kernels_rotating
+
+
 @pytest.mark.parametrize("kernels", [1, 2])
 def test_one_or_two_gradient_launches_lower_for_h200(kernels):
     config = Mamba3ScanConfig(gradient_kernels=kernels, stored_state_dtype="float32", num_warps_grad=8, **NOT_STORED)
@@ -699,6 +721,19 @@ def test_gpu_stored_scores_and_ungated_output_match_reference(scores, ungated, k
     arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=14)
     check_against_reference(dict(arrays, Angles=arrays["Angles"][:, :, :1]), states, 64, 2.5e-2,
                             Mamba3ScanConfig(stored_scores=scores, stored_ungated=ungated, stored_for_keys=keys))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shared,config", [
+    (True, Mamba3ScanConfig(fast_rotation=True)), (False, Mamba3ScanConfig(fast_rotation=True)),
+    (True, dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation=True))],
+    ids=["shared-angles", "per-head-angles", "rotation-in-chunk-gradients"])
+def test_gpu_fast_rotation_matches_reference(shared, config):
+    """config.fast_rotation (hardware cos.approx / sin.approx) at the benchmark shape."""
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=25)
+    if shared:
+        arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
+    check_against_reference(arrays, states, 64, 2.5e-2, config)
 
 
 @pytest.mark.gpu

@@ -7,7 +7,8 @@ Modules:
   grid     multi-axis program grids flattened to the one Pallas grid axis
   lazy     PEP 562 lazy exports, so that a kernel package's configuration imports without Pallas
   launch   `run_kernel`: one `pl.pallas_call` with named refs and Triton launch parameters
+  inline_ptx  single PTX instructions (fma, sin.approx, ...) elementwise inside Triton kernels
 
-Only `launch` imports `jax.experimental.pallas`; nothing is imported here, so importing any other
+Only `launch` and `inline_ptx` (inside its function) import `jax.experimental.pallas`; nothing is imported here, so importing any other
 module of this package does not load a Pallas backend.
 """

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common.dtypes import F32, I32
+from pallas_kernels.common.inline_ptx import cos_sin_of_wrapped
 
 TWO_PI = 2.0 * math.pi
 
@@ -128,6 +129,15 @@ class ChunkDecay:
 
 
 # ---- RoPE on the pieces of the kernel layout (config.py): dicts {piece name: [rows, width] tile}
+def rotation_of(theta, geo):
+    """(cos θ, sin θ) [rows, Sp] float32 of wrapped angles θ ∈ [0, 2π): libdevice's cos / sin, or with
+    config.fast_rotation the hardware's cos.approx / sin.approx (inline_ptx.cos_sin_of_wrapped: about
+    2^-21 absolute instead of ~1 ulp; in the interpreter the same shifted formula in float32)."""
+    if geo.config.fast_rotation:
+        return cos_sin_of_wrapped(theta, gpu=not geo.interpret)
+    return jnp.cos(theta), jnp.sin(theta)
+
+
 def rotate(x, rotation):
     """R(θ)·x: pairs (even_a, odd_a) rotated by +θ_a; the other pieces unchanged. rotation: (cos θ,
     sin θ) [rows, Sp] or None (no angles)."""

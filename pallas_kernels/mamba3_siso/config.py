@@ -133,6 +133,13 @@ class Mamba3ScanConfig:
         since session 23 (H200, B=32 T=512 per-head angles: query/key gradient kernel 500 → 408 µs,
         op kernel sum 2157 → 2054 µs; benchmarks/notes_mamba3_scan.md v14); False keeps the float32
         per-position weight D + γ⟨q̄, k̄⟩ of V.
+      fast_rotation: the query/key kernels' cos θ and sin θ (forward rotation, its transpose and the
+        angle gradient) from the hardware's cos.approx / sin.approx on θ − π (θ is wrapped into
+        [0, 2π) before: about 2^-21 absolute error, against ~1 ulp from libdevice, far below the bf16
+        rounding of q, k̃) instead of libdevice's cos / sin, whose range reduction keeps a slow path
+        with a local-memory table: 48 local loads and 32 stores per head step of the forward
+        query/key kernel and of the query/key gradient kernel (Triton 3.6 for sm_90,
+        benchmarks/triton_inspect.py). Off until timed on the H200.
     """
 
     state_block_p: int = 16
@@ -164,6 +171,7 @@ class Mamba3ScanConfig:
     head_gradient_launches: int = 2
     num_warps_head_grad: int = 4
     skip_in_scores: bool = True
+    fast_rotation: bool = False
 
     def validate(self) -> "Mamba3ScanConfig":
         for name in ("state_block_p", "walk_block_p", "num_warps_walk", "num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad",
@@ -205,7 +213,8 @@ class Mamba3ScanConfig:
                              f"got {self.qk_gradient_dtype!r}")
         if self.stored_for_keys is True and not self.stored_scores:
             raise ValueError("Mamba3ScanConfig.stored_for_keys=True needs stored_scores=True")
-        for name in ("adt_in_values", "keys_with_queries", "rotate_in_chunk_gradients", "skip_in_scores"):
+        for name in ("adt_in_values", "keys_with_queries", "rotate_in_chunk_gradients", "skip_in_scores",
+                     "fast_rotation"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.keys_with_queries and self.gradient_kernels != 3:

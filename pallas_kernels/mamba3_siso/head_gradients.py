@@ -57,7 +57,7 @@ from pallas_kernels.mamba3_siso import layout
 from pallas_kernels.mamba3_siso.chunk_backward import forms_adt_with_values
 from pallas_kernels.mamba3_siso.chunk_forward import chunk_inputs
 from pallas_kernels.mamba3_siso.chunk_math import (ChunkDecay, angle_gradient, angle_rate_and_slope, dot,
-                                                   reverse_cumsum, rotate_back, sigmoid)
+                                                   reverse_cumsum, rotate_back, rotation_of, sigmoid)
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 
 
@@ -146,7 +146,7 @@ def head_query_key_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adj
             rotation = None
             if rotated:
                 angle = refs["theta"][...]
-                rotation = (jnp.cos(angle), jnp.sin(angle))
+                rotation = rotation_of(angle, geo)
             gq = rotate_back(dq, rotation) if queries else dq
             gk = rotate_back(dk, rotation) if keys else dk
             for n, start, width in pairs:

@@ -45,7 +45,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common.dtypes import F32
 from pallas_kernels.mamba3_siso import layout
-from pallas_kernels.mamba3_siso.chunk_math import angle_gradient, angle_rate_and_slope, reverse_cumsum, rotate_back
+from pallas_kernels.mamba3_siso.chunk_math import (angle_gradient, angle_rate_and_slope, reverse_cumsum, rotate_back,
+                                                  rotation_of)
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 from pallas_kernels.mamba3_siso.queries_keys import angles_operand
 
@@ -89,7 +90,7 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
             rotation = None
             if rotated:
                 angle = refs["theta"][:, j, :]
-                rotation = (jnp.cos(angle), jnp.sin(angle))
+                rotation = rotation_of(angle, geo)
             s = refs["scale"][:, j]
             dq_h = {n: load(refs["dq"], n, j) for n, _, _ in pieces}
             dk_h = {n: load(refs["dk"], n, j) for n, _, _ in pieces}

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.common.dtypes import F32
 from pallas_kernels.common.padding import pad_axis_to
 from pallas_kernels.mamba3_siso import layout
-from pallas_kernels.mamba3_siso.chunk_math import angle_rate, chunk_angles, rotate
+from pallas_kernels.mamba3_siso.chunk_math import angle_rate, chunk_angles, rotate, rotation_of
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 
 
@@ -145,7 +145,7 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, ang
                 angle = chunk_angles(rate_j * refs["dt"][:, j][:, None], refs["theta_entry"][j, :],
                                      by_matmul=geo.angle_sums_by_matmul)
                 refs["theta"][:, j, :] = angle
-                rotation = (jnp.cos(angle), jnp.sin(angle))
+                rotation = rotation_of(angle, geo)
             s = refs["scale"][:, j]
             biased = {p: {n: rows[p][n] + refs[f"{p}_bias"][j, pl.ds(start, width)][None, :]
                           for n, start, width in pieces} for p in "QK"}

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
+
+from pallas_kernels.common.inline_ptx import f32_instruction
 
 SOFTPLUS_THRESHOLD = 20.0
 # The kernels receive A·log2(e) ("A2") and form ā = exp2(δ·A2): on CUDA exp2 is one `ex2.approx`
@@ -88,12 +89,7 @@ class KernelMath:
         return cls(fast=cfg.fast_math, fused=cfg.fused_multiply_add, gpu=not problem.interpret)
 
     def _asm(self, asm, *args):
-        from jax.experimental.pallas import triton as plt
-        args = jnp.broadcast_arrays(*[jnp.asarray(a, jnp.float32) for a in args])
-        constraints = ",".join(["=f"] + ["f"] * len(args))
-        [out] = plt.elementwise_inline_asm(asm, args=list(args), constraints=constraints, pack=1,
-                                           result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)])
-        return out
+        return f32_instruction(asm, *args)
 
     def fma(self, a, b, c):
         """a·b + c, float32 (one rounding on the GPU with fused_multiply_add)."""
