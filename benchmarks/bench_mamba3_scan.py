@@ -96,8 +96,14 @@ SKIP = [DEFAULT_CONFIG, dataclasses.replace(DEFAULT_CONFIG, skip_in_scores=False
 # The default since session 23 (walk, 64 rows) against the split passes and other row blocks / warps.
 WALK = [DEFAULT_CONFIG] + [dataclasses.replace(DEFAULT_CONFIG, **kw) for kw in (
     dict(state_passes="split"), dict(walk_block_p=16), dict(walk_block_p=32), dict(num_warps_walk=8))]
+# The hardware cos / sin in the query/key kernels (session 25, untimed): with fewer instructions and
+# instructions per head step, other splits or the rotation in the chunk-gradient launches may now win
+# (4 warps spill in both query/key kernels: triton_inspect.py, 352 B and 696 B of stack).
+FASTROT = [DEFAULT_CONFIG] + [dataclasses.replace(DEFAULT_CONFIG, fast_rotation=True, **kw) for kw in (
+    dict(), dict(qk_head_splits=8), dict(qk_grad_blocks=2), dict(rotate_in_chunk_gradients=True),
+    dict(angle_sums="matmul"))]
 SWEEP_SETS = {"all": SWEEP, "stored": [DEFAULT_CONFIG] + SWEEP[-4:], "qk": QK_SWEEP, "qk16": QK16, "adt": ADT,
-              "head": HEAD, "skip": SKIP, "walk": WALK}
+              "head": HEAD, "skip": SKIP, "walk": WALK, "fastrot": FASTROT}
 
 
 def make_args(bsz, T, dims, dtype=jnp.bfloat16, seed=0, per_head_angles=False):

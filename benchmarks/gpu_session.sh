@@ -29,6 +29,8 @@
 #                                                  m3_adt e2e3_adt (dADT in the values vs keys launch, keys+queries in one launch: op sweep, train step)
 #                                                  dispatch (a synchronised op call split: dispatch, wait, pipelined, trivial-jit floor; with and without command buffers)
 #                                                  m3_prof32 (the op's per-kernel profile at B=32 T=512)
+#                                                  m3_fastrot e2e3_fastrot (Mamba3ScanConfig.fast_rotation: its GPU tests,
+#                                                  profiles at both op shapes with and without, the train step with and without)
 #                                                  m3_ncu (Nsight Compute on the op's 10 Pallas kernels, NCU_SHAPE=b32t512)
 #                                                  dispatch32 (bench_dispatch.py, Mamba-3 at B=32 T=512; dispatch32h: per-head
 #                                                  angles as the anchors' op timing, alone and in the anchors' process
@@ -125,6 +127,13 @@ for s in $stages; do case $s in
   probe_anchor) wait_ss && XLA_PYTHON_CLIENT_PREALLOCATE=false run probe_anchor_op 330 python3 benchmarks/probe_anchor_op.py .anchors /tmp/ab ;;
   pack_logs)   (cd "$OUT" && tar czf logs.tgz *.log && rm -f *.log) ;;
   e2e3_skip)   run e2e_mamba3_skip_as_weight 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze --scan-config skip_in_scores=False ;;
+  m3_fastrot)  run m3_fastrot_gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_inline_ptx.py tests/test_mamba3_scan_pallas.py -k "fast_rotation or hardware" -rA ;
+               for cfg in "" fast_rotation=True; do tag=$(echo "${cfg:-default}" | tr '=,' '__')
+                 run m3_profile_b8t2048_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape b8t2048 --iters 10 ${cfg:+--scan-config $cfg} ;
+                 run m3_profile_b32t512_per_head_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape b32t512 --per-head-angles --iters 10 ${cfg:+--scan-config $cfg} ; done ;
+               run m3_bench_fastrot 240 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b8t2048 --sweep --sweep-set fastrot ;;
+  e2e3_fastrot) for cfg in "" fast_rotation=True; do tag=$(echo "${cfg:-default}" | tr '=,' '__')
+                 run e2e_mamba3_$tag 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ${cfg:+--scan-config $cfg} ; done ;;
   e2e3g)       run e2e_mamba3_gc_freeze 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ;;
   e2e3_rot)    run e2e_mamba3_rotate_in_chunks 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config rotate_in_chunk_gradients=True ;;
   m3_head_bench) run m3_bench_head 200 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b8t2048 --sweep --sweep-set head ;
