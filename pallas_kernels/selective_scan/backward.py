@@ -223,7 +223,12 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
 
         def block_step(k, carry):
             h, dA, dD, d_bias, loaded = carry
-            ahead = block_rows(k + 1) if prefetch else None
+            # The next block's rows (bwd_prefetch_rows): with one sub-chunk per block they are loaded
+            # first, so the whole iteration covers their latency; with several, after the rightmost
+            # sub-chunk's walk (below): the other sub-chunks' work still covers it, and they are not
+            # live through that sub-chunk's kept states (loaded first, stride 2 spilled 192 B; loaded
+            # there, none: benchmarks/triton_inspect.py, Triton 3.6 for sm_90).
+            ahead = block_rows(k + 1) if prefetch and stride == 1 else None
             rows = step_rows([k * block + i for i in range(block)], loaded if prefetch else [{}] * block)
             subs = [rows[s * sub:(s + 1) * sub] for s in range(stride)]
             starts = [h]                  # the state entering each sub-chunk of the block
@@ -241,6 +246,8 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
                         psi = psi * refs["sub_keep_right"][k]
                     c = m.fma(psi, G, rd.load("sub_adjoint", k))
                 c, dA, dD, d_bias = reverse(subs[s], states, decays, c, dA, dD, d_bias)
+                if prefetch and ahead is None:
+                    ahead = block_rows(k + 1)
             return h_end, dA, dD, d_bias, ahead
 
         zeros_row = jnp.zeros((bd,), F32)
