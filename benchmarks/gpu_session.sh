@@ -29,6 +29,7 @@
 #                                                  m3_adt e2e3_adt (dADT in the values vs keys launch, keys+queries in one launch: op sweep, train step)
 #                                                  dispatch (a synchronised op call split: dispatch, wait, pipelined, trivial-jit floor; with and without command buffers)
 #                                                  m3_prof32 (the op's per-kernel profile at B=32 T=512)
+#                                                  e2e1_stride (the Mamba-1 train step with and without bwd_adjoint_stride=2)
 #                                                  m3_fastrot e2e3_fastrot (Mamba3ScanConfig.fast_rotation: its GPU tests,
 #                                                  profiles at both op shapes with and without, the train step with and without)
 #                                                  m3_ncu (Nsight Compute on the op's 10 Pallas kernels, NCU_SHAPE=b32t512)
@@ -208,6 +209,8 @@ for s in $stages; do case $s in
   e2e3_gc)     run e2e_mamba3_gc_freeze 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ;
                run e2e_mamba3_gc_default 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 ;;
   e2e1_pf)     run e2e_mamba1_prefetch_${PF_TAG:-a} 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze --scan-config bwd_prefetch_rows=False ;;
+  e2e1_stride) for cfg in "" bwd_adjoint_stride=2; do tag=$(echo "${cfg:-default}" | tr '=,' '__')
+                 run e2e_mamba1_$tag 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ${cfg:+--scan-config $cfg} ; done ;;
   e2e1_gc)     run e2e_mamba1_gc_freeze 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ;;
   e2e3_nocb)   XLA_FLAGS="--xla_gpu_enable_command_buffer=" run e2e_mamba3_no_command_buffers 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 ;;
   e2e1_nocb)   XLA_FLAGS="--xla_gpu_enable_command_buffer=" run e2e_mamba1_no_command_buffers 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 ;;
