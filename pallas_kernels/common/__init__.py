@@ -9,6 +9,6 @@ Modules:
   launch   `run_kernel`: one `pl.pallas_call` with named refs and Triton launch parameters
   inline_ptx  single PTX instructions (fma, sin.approx, ...) elementwise inside Triton kernels
 
-Only `launch` and `inline_ptx` (inside its function) import `jax.experimental.pallas`; nothing is imported here, so importing any other
-module of this package does not load a Pallas backend.
+Only `launch` and `inline_ptx` (inside its function) import `jax.experimental.pallas`; nothing is
+imported here, so importing any other module of this package does not load a Pallas backend.
 """
