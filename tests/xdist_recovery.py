@@ -14,7 +14,7 @@ method ending a hung test. pytest-xdist 3.8.0 (the newest release) handles that 
   workers may be restarted.
 
 `install(config)` patches the controller's scheduler so that finished files are not re-queued, a
-late worker whose unit empties the queue is told to finish, and a test whose worker died runs once
+late worker is given work until it holds two tests or is told to finish, and a test whose worker died runs once
 more on a fresh worker: that second run is the test's verdict (a second death fails it and it is
 not run a third time). Each death is listed in the terminal summary with the test it ran, so a
 flaky native crash stays visible; it never turns into a pass silently.
