@@ -98,9 +98,11 @@ WALK = [DEFAULT_CONFIG] + [dataclasses.replace(DEFAULT_CONFIG, **kw) for kw in (
     dict(state_passes="split"), dict(walk_block_p=16), dict(walk_block_p=32), dict(num_warps_walk=8))]
 # The hardware cos / sin in the query/key kernels (session 25, untimed): with fewer instructions and
 # instructions per head step, other splits or the rotation in the chunk-gradient launches may now win
-# (4 warps spill in both query/key kernels: triton_inspect.py, 352 B and 696 B of stack).
+# (4 warps spill in both query/key kernels: triton_inspect.py, 352 B and 696 B of stack; 16 warps:
+# forward 519 instructions per head step at 118 registers, gradients 136 B of spills; 2 gradient
+# blocks: 979 per step at 217 registers, no spills).
 FASTROT = [DEFAULT_CONFIG] + [dataclasses.replace(DEFAULT_CONFIG, fast_rotation=True, **kw) for kw in (
-    dict(), dict(qk_head_splits=8), dict(qk_grad_blocks=2), dict(rotate_in_chunk_gradients=True),
+    dict(), dict(qk_head_splits=8), dict(qk_grad_blocks=2), dict(num_warps_qk=16), dict(rotate_in_chunk_gradients=True),
     dict(angle_sums="matmul"))]
 SWEEP_SETS = {"all": SWEEP, "stored": [DEFAULT_CONFIG] + SWEEP[-4:], "qk": QK_SWEEP, "qk16": QK16, "adt": ADT,
               "head": HEAD, "skip": SKIP, "walk": WALK, "fastrot": FASTROT}
