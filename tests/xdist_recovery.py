@@ -14,9 +14,9 @@ method ending a hung test. pytest-xdist 3.8.0 (the newest release) handles that 
   workers may be restarted.
 
 `install(config)` patches the controller's scheduler so that finished files are not re-queued, a
-late worker is given work until it holds two tests or is told to finish, and a test whose worker died runs once
-more on a fresh worker: that second run is the test's verdict (a second death fails it and it is
-not run a third time). Each death is listed in the terminal summary with the test it ran, so a
+late worker is given work until it holds two tests or is told to finish, and a test whose worker
+died runs once more on a fresh worker: that second run is the test's verdict (a second death fails
+it and it is not run a third time). Each death is listed in the terminal summary with the test it ran, so a
 flaky native crash stays visible; it never turns into a pass silently.
 """
 
@@ -56,7 +56,7 @@ def _patch_load_scope_scheduling():
         return
     if getattr(LoadScopeScheduling, "_jmamba_patched", False):
         return
-    needed = ("remove_node", "_reschedule", "_assign_work_unit", "_pending_of", "_split_scope")
+    needed = ("remove_node", "_reschedule", "_assign_work_unit", "_pending_of")
     if not all(hasattr(LoadScopeScheduling, name) for name in needed):
         raise RuntimeError("tests/xdist_recovery.py was written against pytest-xdist 3.8's "
                            "LoadScopeScheduling; check it against the installed version")

@@ -88,19 +88,16 @@ class KernelMath:
         cfg = problem.config
         return cls(fast=cfg.fast_math, fused=cfg.fused_multiply_add, gpu=not problem.interpret)
 
-    def _asm(self, asm, *args):
-        return f32_instruction(asm, *args)
-
     def fma(self, a, b, c):
         """a·b + c, float32 (one rounding on the GPU with fused_multiply_add)."""
         if self.fused and self.gpu:
-            return self._asm("fma.rn.f32 $0, $1, $2, $3;", a, b, c)
+            return f32_instruction("fma.rn.f32 $0, $1, $2, $3;", a, b, c)
         return a * b + c
 
     def reciprocal(self, x):
         """1 / x (rcp.approx.ftz on the GPU in fast mode: 1 ulp)."""
         if self.fast and self.gpu:
-            return self._asm("rcp.approx.ftz.f32 $0, $1;", x)
+            return f32_instruction("rcp.approx.ftz.f32 $0, $1;", x)
         return 1.0 / x
 
     def sigmoid(self, x):
