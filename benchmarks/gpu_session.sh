@@ -39,6 +39,10 @@
 #                                                  the same with the optimized HLO of the op's fwd+bwd packed)
 #                                                  m3_qk16 m3_prof16 e2e3_qk16 (dq, dk̃ in bf16, the default, vs float32:
 #                                                  op sweep, per-kernel profiles of the op, train step with profile)
+# e2e1x / e2e3x: the train step for each config of E2E1_CFGS / E2E3_CFGS ("default" or K=V,...; default: default).
+# m3_profx: the Mamba-3 op's per-kernel profile (per-head angles) for each of M3_CFGS at each of M3_SHAPES.
+# new_tests: the GPU tests of fast_rotation, the hardware cos/sin and bwd_adjoint_stride in one pytest process.
+# m3_fastrot_p: m3_fastrot's profiles alone (per-head angles, the anchors' op form) at M3_SHAPES (b8t2048 b32t512).
 # m1_prefetch: the Mamba-1 backward rows loaded a sub-chunk ahead, the default since 2026-12-04 (its GPU
 # test, op sweep, the train step without it; e2e1_pf: that train step alone, log tagged by PF_TAG, for an
 # A/B/A with e2e1_gc).
@@ -133,6 +137,15 @@ for s in $stages; do case $s in
                  run m3_profile_b8t2048_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape b8t2048 --iters 10 ${cfg:+--scan-config $cfg} ;
                  run m3_profile_b32t512_per_head_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape b32t512 --per-head-angles --iters 10 ${cfg:+--scan-config $cfg} ; done ;
                run m3_bench_fastrot 240 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b8t2048 --sweep --sweep-set fastrot ;;
+  new_tests)   run gpu_tests_new 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_inline_ptx.py tests/test_mamba3_scan_pallas.py tests/test_selective_scan_pallas.py -k "fast_rotation or hardware or stride" -rA --durations=10 ;;
+  m3_fastrot_p) for sh in ${M3_SHAPES:-b8t2048 b32t512}; do for cfg in "" fast_rotation=True; do tag=$(echo "${cfg:-default}" | tr '=,' '__')
+                 run m3_profile_${sh}_per_head_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape $sh --per-head-angles --iters 10 ${cfg:+--scan-config $cfg} ; done; done ;;
+  e2e1x)       for cfg in ${E2E1_CFGS:-default}; do tag=$(echo "$cfg" | tr '=,' '__'); [ "$cfg" = default ] && cfg=""
+                 run e2e_mamba1_$tag 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ${cfg:+--scan-config $cfg} ; done ;;
+  e2e3x)       for cfg in ${E2E3_CFGS:-default}; do tag=$(echo "$cfg" | tr '=,' '__'); [ "$cfg" = default ] && cfg=""
+                 run e2e_mamba3_$tag 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ${cfg:+--scan-config $cfg} ; done ;;
+  m3_profx)    for sh in ${M3_SHAPES:-b8t2048 b32t512}; do for cfg in ${M3_CFGS:-default}; do tag=$(echo "$cfg" | tr '=,' '__'); [ "$cfg" = default ] && cfg=""
+                 run m3_profile_${sh}_per_head_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape $sh --per-head-angles --iters 10 ${cfg:+--scan-config $cfg} ; done; done ;;
   e2e3_fastrot) for cfg in "" fast_rotation=True; do tag=$(echo "${cfg:-default}" | tr '=,' '__')
                  run e2e_mamba3_$tag 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ${cfg:+--scan-config $cfg} ; done ;;
   e2e3g)       run e2e_mamba3_gc_freeze 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ;;
