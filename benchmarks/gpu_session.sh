@@ -137,7 +137,7 @@ for s in $stages; do case $s in
                  run m3_profile_b8t2048_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape b8t2048 --iters 10 ${cfg:+--scan-config $cfg} ;
                  run m3_profile_b32t512_per_head_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape b32t512 --per-head-angles --iters 10 ${cfg:+--scan-config $cfg} ; done ;
                run m3_bench_fastrot 240 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b8t2048 --sweep --sweep-set fastrot ;;
-  new_tests)   run gpu_tests_new 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_inline_ptx.py tests/test_mamba3_scan_pallas.py tests/test_selective_scan_pallas.py -k "fast_rotation or hardware or stride" -rA --durations=10 ;;
+  new_tests)   run gpu_tests_new 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_inline_ptx.py tests/test_mamba3_scan_pallas.py tests/test_selective_scan_pallas.py -k "fast_rotation or hardware or stride" -rA --durations=10 ;;
   m3_fastrot_p) for sh in ${M3_SHAPES:-b8t2048 b32t512}; do for cfg in "" fast_rotation=True; do tag=$(echo "${cfg:-default}" | tr '=,' '__')
                  run m3_profile_${sh}_per_head_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape $sh --per-head-angles --iters 10 ${cfg:+--scan-config $cfg} ; done; done ;;
   e2e1x)       for cfg in ${E2E1_CFGS:-default}; do tag=$(echo "$cfg" | tr '=,' '__'); [ "$cfg" = default ] && cfg=""
