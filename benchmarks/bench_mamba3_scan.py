@@ -103,7 +103,7 @@ WALK = [DEFAULT_CONFIG] + [dataclasses.replace(DEFAULT_CONFIG, **kw) for kw in (
 # blocks: 979 per step at 217 registers, no spills).
 FASTROT = [DEFAULT_CONFIG] + [dataclasses.replace(DEFAULT_CONFIG, fast_rotation=True, **kw) for kw in (
     dict(), dict(qk_head_splits=8), dict(qk_grad_blocks=2), dict(num_warps_qk=16), dict(rotate_in_chunk_gradients=True),
-    dict(angle_sums="matmul"))]
+    dict(angle_sums="matmul"), dict(fast_rotation_backward=False), dict(fast_rotation_backward=False, num_warps_qk=16))]
 SWEEP_SETS = {"all": SWEEP, "stored": [DEFAULT_CONFIG] + SWEEP[-4:], "qk": QK_SWEEP, "qk16": QK16, "adt": ADT,
               "head": HEAD, "skip": SKIP, "walk": WALK, "fastrot": FASTROT}
 

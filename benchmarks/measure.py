@@ -31,7 +31,7 @@ def rel(a, b):
 def scan_config(text, arch="mamba1"):
     """The Pallas scan config of `arch` from "field=value,...": a
     `pallas_kernels.selective_scan.ScanBlockConfig` (mamba1) or a `pallas_kernels.mamba3_siso.Mamba3ScanConfig`
-    (mamba3); values True / False, ints, or else strings."""
+    (mamba3); values True / False / None, ints, or else strings."""
     if arch == "mamba1":
         from pallas_kernels.selective_scan import ScanBlockConfig as config_type
     elif arch == "mamba3":
@@ -40,7 +40,9 @@ def scan_config(text, arch="mamba1"):
         raise ValueError(f"arch must be 'mamba1' or 'mamba3', got {arch!r}")
 
     def value(v):
-        return (v == "True") if v in ("True", "False") else int(v) if v.lstrip("-").isdigit() else v
+        if v in ("True", "False", "None"):
+            return {"True": True, "False": False, "None": None}[v]
+        return int(v) if v.lstrip("-").isdigit() else v
     fields = dict(kv.split("=") for kv in text.split(","))
     return config_type(**{k: value(v) for k, v in fields.items()}).validate()
 

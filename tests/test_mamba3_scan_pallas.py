@@ -241,11 +241,14 @@ def test_rotation_in_the_chunk_gradient_launch_matches_reference(shape, dtype, s
 
 @pytest.mark.parametrize("shape,shared,config", [
     ((2, 37, 4, 2, 8, 3, 2), False, Mamba3ScanConfig(fast_rotation=True)),
-    ((2, 37, 4, 1, 64, 16, 16), True, dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation=True))],
-    ids=["query-key-gradient-kernel", "rotation-in-chunk-gradients"])
+    ((2, 37, 4, 1, 64, 16, 16), True, dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation=True)),
+    ((2, 37, 4, 2, 8, 3, 2), True, Mamba3ScanConfig(fast_rotation=True, fast_rotation_backward=False)),
+    ((2, 37, 4, 1, 64, 16, 16), False, dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation_backward=True))],
+    ids=["query-key-gradient-kernel", "rotation-in-chunk-gradients", "forward-only", "backward-only"])
 def test_fast_rotation_matches_reference(shape, shared, config):
     """config.fast_rotation (cos / sin from θ − π; the hardware's approximations on the GPU) at each
-    place the kernels rotate: every value and cotangent, angles per head and shared."""
+    place the kernels rotate, in both passes or in one (fast_rotation_backward): every value and
+    cotangent, angles per head and shared."""
     arrays, states = make_inputs(shape, jnp.float32, seed=24)
     if shared:
         arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
@@ -550,7 +553,10 @@ def test_stored_for_keys_lowers_for_h200():
 @pytest.mark.parametrize("config,kernels_rotating", [
     (Mamba3ScanConfig(fast_rotation=True), 2),                                  # q/k forward, q/k gradients
     (dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation=True), 3),            # q/k forward, two head launches
-    (Mamba3ScanConfig(fast_rotation=False), 0)], ids=["fast", "fast-rotation-in-chunk-gradients", "libdevice"])
+    (Mamba3ScanConfig(fast_rotation=True, fast_rotation_backward=False), 1),    # q/k forward only
+    (dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation_backward=True), 2),   # the two head launches only
+    (Mamba3ScanConfig(fast_rotation=False), 0)],
+    ids=["fast", "fast-rotation-in-chunk-gradients", "forward-only", "backward-only", "libdevice"])
 def test_fast_rotation_lowers_to_the_hardware_instructions(config, kernels_rotating):
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
     assert text.count("cos.approx.ftz.f32") == text.count("sin.approx.ftz.f32") == kernels_rotating
@@ -640,7 +646,8 @@ def test_kernel_refuses_a_reset_mask_and_a_bad_config():
                                          ("qk_gradient_dtype", "bfloat16"), ("adt_in_values", 1),
                                          ("keys_with_queries", 1), ("rotate_in_chunk_gradients", 1),
                                          ("num_warps_head_grad", 3), ("head_gradient_launches", 3),
-                                         ("skip_in_scores", "no"),
+                                         ("skip_in_scores", "no"), ("fast_rotation", 1),
+                                         ("fast_rotation_backward", 0), ("fast_rotation_backward", "False"),
                                          ("state_passes", "fused"), ("walk_block_p", 8), ("walk_block_p", 24),
                                          ("num_warps_walk", 64)])
 def test_bad_config_raises_naming_the_field(field, value):
@@ -726,8 +733,11 @@ def test_gpu_stored_scores_and_ungated_output_match_reference(scores, ungated, k
 @pytest.mark.gpu
 @pytest.mark.parametrize("shared,config", [
     (True, Mamba3ScanConfig(fast_rotation=True)), (False, Mamba3ScanConfig(fast_rotation=True)),
-    (True, dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation=True))],
-    ids=["shared-angles", "per-head-angles", "rotation-in-chunk-gradients"])
+    (True, dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation=True)),
+    (True, Mamba3ScanConfig(fast_rotation=True, fast_rotation_backward=False)),
+    (False, Mamba3ScanConfig(fast_rotation=True, fast_rotation_backward=False))],
+    ids=["shared-angles", "per-head-angles", "rotation-in-chunk-gradients", "forward-only-shared",
+         "forward-only-per-head"])
 def test_gpu_fast_rotation_matches_reference(shared, config):
     """config.fast_rotation (hardware cos.approx / sin.approx) at the benchmark shape."""
     arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=25)

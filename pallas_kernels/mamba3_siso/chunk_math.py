@@ -129,11 +129,15 @@ class ChunkDecay:
 
 
 # ---- RoPE on the pieces of the kernel layout (config.py): dicts {piece name: [rows, width] tile}
-def rotation_of(theta, geo):
+def rotation_of(theta, geo, *, backward=False):
     """(cos θ, sin θ) [rows, Sp] float32 of wrapped angles θ ∈ [0, 2π): libdevice's cos / sin, or with
-    config.fast_rotation the hardware's cos.approx / sin.approx (inline_ptx.cos_sin_of_wrapped: about
+    config.fast_rotation (config.fast_rotation_backward for the backward's kernels, `backward=True`,
+    when it is not None) the hardware's cos.approx / sin.approx (inline_ptx.cos_sin_of_wrapped: about
     2^-21 absolute instead of ~1 ulp; in the interpreter the same shifted formula in float32)."""
-    if geo.config.fast_rotation:
+    fast = geo.config.fast_rotation
+    if backward and geo.config.fast_rotation_backward is not None:
+        fast = geo.config.fast_rotation_backward
+    if fast:
         return cos_sin_of_wrapped(theta, gpu=not geo.interpret)
     return jnp.cos(theta), jnp.sin(theta)
 

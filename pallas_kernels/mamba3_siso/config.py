@@ -139,7 +139,16 @@ class Mamba3ScanConfig:
         rounding of q, k̃) instead of libdevice's cos / sin, whose range reduction keeps a slow path
         with a local-memory table: 48 local loads and 32 stores per head step of the forward
         query/key kernel and of the query/key gradient kernel (Triton 3.6 for sm_90,
-        benchmarks/triton_inspect.py). Off until timed on the H200.
+        benchmarks/triton_inspect.py; that slow path never runs for wrapped angles, so the static
+        counts overstate libdevice's cost). Timed on an H100 (session 26, B=8 T=2048 and B=32 T=512,
+        per-head angles): the forward query/key kernel 259 → 205 µs, but the query/key gradient
+        kernel 417 → 530 µs, so the op is +60 µs and the train step +1.3 ms with it on in both
+        kernels. Off.
+      fast_rotation_backward: the same choice for the backward's rotations (the query/key gradient
+        kernel, or the head gradient launches with rotate_in_chunk_gradients); None (the default)
+        follows fast_rotation. fast_rotation=True with fast_rotation_backward=False takes the
+        forward's gain alone (H100: −54 µs per op call); the backward then rotates with libdevice's
+        cos / sin of the same θ, about 2^-21 from the forward's. Not yet run on the GPU.
     """
 
     state_block_p: int = 16
@@ -172,6 +181,7 @@ class Mamba3ScanConfig:
     num_warps_head_grad: int = 4
     skip_in_scores: bool = True
     fast_rotation: bool = False
+    fast_rotation_backward: bool | None = None
 
     def validate(self) -> "Mamba3ScanConfig":
         for name in ("state_block_p", "walk_block_p", "num_warps_walk", "num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad",
@@ -217,6 +227,9 @@ class Mamba3ScanConfig:
                      "fast_rotation"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.fast_rotation_backward is not None and type(self.fast_rotation_backward) is not bool:
+            raise ValueError("Mamba3ScanConfig.fast_rotation_backward must be True, False or None (follow "
+                             f"fast_rotation), got {self.fast_rotation_backward!r}")
         if self.keys_with_queries and self.gradient_kernels != 3:
             raise ValueError(f"Mamba3ScanConfig.keys_with_queries=True needs gradient_kernels=3, "
                              f"got gradient_kernels={self.gradient_kernels}")

@@ -146,7 +146,7 @@ def head_query_key_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adj
             rotation = None
             if rotated:
                 angle = refs["theta"][...]
-                rotation = rotation_of(angle, geo)
+                rotation = rotation_of(angle, geo, backward=True)
             gq = rotate_back(dq, rotation) if queries else dq
             gk = rotate_back(dk, rotation) if keys else dk
             for n, start, width in pairs:

@@ -90,7 +90,7 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
             rotation = None
             if rotated:
                 angle = refs["theta"][:, j, :]
-                rotation = rotation_of(angle, geo)
+                rotation = rotation_of(angle, geo, backward=True)
             s = refs["scale"][:, j]
             dq_h = {n: load(refs["dq"], n, j) for n, _, _ in pieces}
             dk_h = {n: load(refs["dk"], n, j) for n, _, _ in pieces}
