@@ -72,10 +72,11 @@ class ScanBlockConfig:
         with stride 2). The gradients kernel then walks a block of `stride` sub-chunks right to left:
         one forward pass to find each sub-chunk's start state, then per sub-chunk (last first) the
         usual forward keeping its states and the reverse walk, whose adjoint enters the next one to
-        the left. Costs (stride − 1) / stride more forward recomputation. Power of two; 1 by default
-        (2 is CPU-tested, not yet timed on the H200: triton_inspect.py puts its gradients kernel at
-        2290 instructions per 4 steps against 2 × 1213 at stride 1, 255 registers and no spills, with
-        the next block's rows loaded after the rightmost sub-chunk's walk; 4 spills 672 B).
+        the left. Costs (stride − 1) / stride more forward recomputation. Power of two; 1 by default.
+        Stride 2 on an H100 (session 26, B=8 T=2048): adjoint summaries 425 → 268 µs, gradients
+        1080 → 1207 µs, train step −2 ms (2%); GPU-tested. It stays off until timed on the H200, whose
+        faster HBM shrinks the first gain but not the second (benchmarks/notes_selective_scan.md).
+        Stride 4 spills 672 B (triton_inspect.py).
       f32_state_rows: the kernels read B and C converted to float32 instead of unpacking bf16 / f16
         B and C rows in every step of every kernel. Bit-identical. Off: fewer instructions, but the
         chunk-outputs kernel ran slower with it on the H200 (241 -> 297 us; gradients 1054 -> 1037).
