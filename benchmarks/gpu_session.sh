@@ -42,7 +42,6 @@
 # e2e1x / e2e3x: the train step for each config of E2E1_CFGS / E2E3_CFGS ("default" or K=V,...; default: default).
 # m3_profx: the Mamba-3 op's per-kernel profile (per-head angles) for each of M3_CFGS at each of M3_SHAPES.
 # new_tests: the GPU tests of fast_rotation, the hardware cos/sin and bwd_adjoint_stride in one pytest process.
-# m3_fastrot_p: m3_fastrot's profiles alone (per-head angles, the anchors' op form) at M3_SHAPES (b8t2048 b32t512).
 # m1_prefetch: the Mamba-1 backward rows loaded a sub-chunk ahead, the default since 2026-12-04 (its GPU
 # test, op sweep, the train step without it; e2e1_pf: that train step alone, log tagged by PF_TAG, for an
 # A/B/A with e2e1_gc).
@@ -95,6 +94,11 @@ pack_hlo() {  # dump dir, out file: the largest optimized module (the train step
   local f; f=$(ls -S "$1"/*after_optimizations.txt 2>/dev/null | head -1)
   [ -n "$f" ] && gzip -c "$f" > "$2" && echo "packed $f -> $2"
 }
+train_steps() {  # arch, configs ("default" or K=V,...): the train step for each, logs e2e_<arch>_<config>
+  local arch=$1 cfg tag; shift
+  for cfg in "$@"; do tag=$(echo "$cfg" | tr '=,' '__'); [ "$cfg" = default ] && cfg=""
+    run e2e_${arch}_$tag 130 python3 benchmarks/bench_train_step.py --arch $arch --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ${cfg:+--scan-config $cfg} ; done
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1; cat "$OUT/gpu.txt"
 OPT=fused
 for s in $stages; do case $s in
@@ -138,16 +142,11 @@ for s in $stages; do case $s in
                  run m3_profile_b32t512_per_head_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape b32t512 --per-head-angles --iters 10 ${cfg:+--scan-config $cfg} ; done ;
                run m3_bench_fastrot 240 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b8t2048 --sweep --sweep-set fastrot ;;
   new_tests)   run gpu_tests_new 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_inline_ptx.py tests/test_mamba3_scan_pallas.py tests/test_selective_scan_pallas.py -k "fast_rotation or hardware or stride" -rA --durations=10 ;;
-  m3_fastrot_p) for sh in ${M3_SHAPES:-b8t2048 b32t512}; do for cfg in "" fast_rotation=True; do tag=$(echo "${cfg:-default}" | tr '=,' '__')
-                 run m3_profile_${sh}_per_head_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape $sh --per-head-angles --iters 10 ${cfg:+--scan-config $cfg} ; done; done ;;
-  e2e1x)       for cfg in ${E2E1_CFGS:-default}; do tag=$(echo "$cfg" | tr '=,' '__'); [ "$cfg" = default ] && cfg=""
-                 run e2e_mamba1_$tag 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ${cfg:+--scan-config $cfg} ; done ;;
-  e2e3x)       for cfg in ${E2E3_CFGS:-default}; do tag=$(echo "$cfg" | tr '=,' '__'); [ "$cfg" = default ] && cfg=""
-                 run e2e_mamba3_$tag 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ${cfg:+--scan-config $cfg} ; done ;;
+  e2e1x)       train_steps mamba1 ${E2E1_CFGS:-default} ;;
+  e2e3x)       train_steps mamba3 ${E2E3_CFGS:-default} ;;
   m3_profx)    for sh in ${M3_SHAPES:-b8t2048 b32t512}; do for cfg in ${M3_CFGS:-default}; do tag=$(echo "$cfg" | tr '=,' '__'); [ "$cfg" = default ] && cfg=""
                  run m3_profile_${sh}_per_head_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape $sh --per-head-angles --iters 10 ${cfg:+--scan-config $cfg} ; done; done ;;
-  e2e3_fastrot) for cfg in "" fast_rotation=True; do tag=$(echo "${cfg:-default}" | tr '=,' '__')
-                 run e2e_mamba3_$tag 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ${cfg:+--scan-config $cfg} ; done ;;
+  e2e3_fastrot) train_steps mamba3 default fast_rotation=True ;;
   e2e3g)       run e2e_mamba3_gc_freeze 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ;;
   e2e3_rot)    run e2e_mamba3_rotate_in_chunks 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 --scan-config rotate_in_chunk_gradients=True ;;
   m3_head_bench) run m3_bench_head 200 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b8t2048 --sweep --sweep-set head ;
@@ -222,8 +221,7 @@ for s in $stages; do case $s in
   e2e3_gc)     run e2e_mamba3_gc_freeze 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ;
                run e2e_mamba3_gc_default 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 ;;
   e2e1_pf)     run e2e_mamba1_prefetch_${PF_TAG:-a} 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze --scan-config bwd_prefetch_rows=False ;;
-  e2e1_stride) for cfg in "" bwd_adjoint_stride=2; do tag=$(echo "${cfg:-default}" | tr '=,' '__')
-                 run e2e_mamba1_$tag 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ${cfg:+--scan-config $cfg} ; done ;;
+  e2e1_stride) train_steps mamba1 default bwd_adjoint_stride=2 ;;
   e2e1_gc)     run e2e_mamba1_gc_freeze 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze ;;
   e2e3_nocb)   XLA_FLAGS="--xla_gpu_enable_command_buffer=" run e2e_mamba3_no_command_buffers 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 ;;
   e2e1_nocb)   XLA_FLAGS="--xla_gpu_enable_command_buffer=" run e2e_mamba1_no_command_buffers 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 ;;
