@@ -54,6 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--scan-config", default=None, metavar="K=V,...",
                    help="the Pallas scan config of --arch as fields of ScanBlockConfig (mamba1, e.g. "
                         "fwd_mosaic=True,chunk=64) or Mamba3ScanConfig (mamba3, e.g. stored_scores=True)")
+    p.add_argument("--mixer-residuals", default="inputs", choices=["inputs", "activations"],
+                   help="mamba1: what the fused mixer core keeps for its backward (SelectiveScanTuning."
+                        "mixer_residuals: recompute u, delta, B, C from the inputs, or keep them)")
     p.add_argument("--steady", type=int, default=0, metavar="K",
                    help="also time K steps dispatched back to back, one block_until_ready at the end (a training "
                         "loop that does not read metrics every step: dispatch overlaps the previous step)")
@@ -99,8 +102,9 @@ def build(args):
 
 @contextlib.contextmanager
 def scan_tuning(args):
-    """The Mamba-3 scan's chunk (a tuning knob of the op; the official 64, 16 for the tiny run) and,
-    with --scan-config, the Pallas config of the --arch scan (ScanBlockConfig or Mamba3ScanConfig)."""
+    """The Mamba-3 scan's chunk (a tuning knob of the op; the official 64, 16 for the tiny run), the
+    Mamba-1 mixer core's residuals (--mixer-residuals) and, with --scan-config, the Pallas config of the
+    --arch scan (ScanBlockConfig or Mamba3ScanConfig)."""
     config = None
     if args.scan_config:   # needs the repo root on sys.path (PYTHONPATH=$PWD, as gpu_session.sh sets)
         from benchmarks.measure import scan_config
@@ -108,8 +112,9 @@ def scan_tuning(args):
     with contextlib.ExitStack() as stack:
         stack.enter_context(jmamba.ops.tuning("mamba3_siso_scan", chunk_size=16 if args.tiny else 64,
                                               **({"pallas_config": config} if config and args.arch == "mamba3" else {})))
-        if config and args.arch == "mamba1":
-            stack.enter_context(jmamba.ops.tuning("selective_scan", pallas_config=config))
+        if args.arch == "mamba1":
+            stack.enter_context(jmamba.ops.tuning("selective_scan", mixer_residuals=args.mixer_residuals,
+                                                  **({"pallas_config": config} if config else {})))
         yield
 
 

@@ -258,6 +258,60 @@ def test_pallas_backward_saves_no_per_position_activation_but_x_and_z():
     assert len(per_position("xla")) > 2
 
 
+def test_pallas_kept_activations_save_u_delta_and_the_x_projection():
+    """mixer_residuals="activations": the Pallas path keeps u and delta ([Bt, T, E], compute dtype) and
+    the x projection ([Bt, T, R + 2N]) besides x and z; nothing else of width E per position."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    bsz, seqlen, e, n, rank = 2, 64, 16, 4, 3
+    args, state, reset = make_inputs(bsz, seqlen, e, n, rank, 4, jnp.bfloat16)
+    present = tuple(k for k in ARG_NAMES if args[k] is not None)
+
+    def per_position(mode):
+        def f(*vals):
+            with ops.tuning("selective_scan", mixer_residuals=mode):
+                return run("pallas", dict(args, **dict(zip(present, vals))), state, reset)[0]
+        res = saved_residuals(f, *(args[k] for k in present))
+        return sorted(a.shape[-1] for a, _ in res if tuple(a.shape[:2]) == (bsz, seqlen) and a.dtype == jnp.bfloat16)
+
+    assert per_position("inputs") == [e, e]
+    assert per_position("activations") == [rank + 2 * n, e, e, e, e]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["x-z", "xz-packed"])
+@pytest.mark.parametrize("dtype,options", [
+    (jnp.float32, dict(reset="positions")),
+    (jnp.bfloat16, dict(reset="rows", with_conv_bias=False, with_dt_bias=False)),
+], ids=["f32-resets", "bf16-rows-bare"])
+def test_pallas_kept_activations_give_the_same_values_and_cotangents_bit_for_bit(packed, dtype, options):
+    """The backward's recomputation is deterministic, so keeping its results changes nothing: outputs,
+    both states and every cotangent (both initial states included) equal to the default's, bit for bit."""
+    bsz, seqlen, e, n, rank, k = 2, 37, 16, 4, 3, 4
+    args, state, reset = make_inputs(bsz, seqlen, e, n, rank, k, dtype, **options)
+    present = tuple(n_ for n_ in ARG_NAMES if args[n_] is not None and n_ not in ("x", "z"))
+
+    def loss(xz, vals, st, mode):
+        full = dict(args, **dict(zip(present, vals)))
+        full.update(x=xz, z=None) if packed else full.update(x=xz[..., :e], z=xz[..., e:])
+        with ops.tuning("selective_scan", mixer_residuals=mode):
+            y, s2 = mamba1_mixer_core(*(full[n_] for n_ in ARG_NAMES), initial_state=st, return_final_state=True,
+                                      reset=reset, implementation="pallas", xz_packed=packed)
+        yf = y.astype(jnp.float32)
+        return jnp.sum(yf * jnp.cos(yf)) + 0.7 * jnp.sum(jnp.sin(s2.conv)) + jnp.sum(jnp.tanh(s2.ssm))
+
+    xz = jnp.concatenate([args["x"], args["z"]], axis=-1)
+    vals = tuple(args[n_] for n_ in present)
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    got, want = grad(xz, vals, state, "activations"), grad(xz, vals, state, "inputs")
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_mixer_residuals_must_be_a_known_mode():
+    with pytest.raises(ValueError, match="mixer_residuals must be one of"):
+        ops.SelectiveScanTuning(mixer_residuals="all")
+
+
 def test_reruns_are_bit_identical():
     args, state, reset = make_inputs(1, 19, 8, 4, 3, 4, jnp.bfloat16, reset="positions")
     first = _loss_and_grads("pallas", args, state, reset)

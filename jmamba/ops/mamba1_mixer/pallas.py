@@ -8,8 +8,11 @@ reading x in place from in_proj's packed [Bt, T, 2E] output when the op is calle
 packed array too: `z_channel_offset`).
 Saved for the backward: the op's inputs (x or the packed xz, z, weights, states, reset) and the scan's
 chunk-start states and δ sums ([Bt, T/chunk, ...], nothing per position). The conv output, u, delta,
-B and C are **not** saved: the backward recomputes u with the conv kernel and delta, B, C with the two
-matmuls, which keeps a layer's activation memory near the official fused path's.
+B and C are **not** saved by default: the backward recomputes u with the conv kernel and delta, B, C with
+the two matmuls, which keeps a layer's activation memory near the official fused path's. With the
+tuning `mixer_residuals="activations"` (`SelectiveScanTuning`) they are kept from the forward instead
+(u and delta [Bt, T, E], the x projection [Bt, T, R + 2N]) and the backward skips that recomputation:
+the same values (the recomputation is deterministic), one conv launch and two matmuls fewer per layer.
 Backward: the recomputation, the scan's backward kernels from the saved chunk states, the projections'
 transpose (matmuls), then one conv kernel (`conv_silu_backward`) that recomputes c, forms dc from
 both cotangents of u, and writes dx (into the packed [Bt, T, 2E] cotangent beside dz), the carried
@@ -31,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jmamba.core.dtypes import accum_dtype
-from jmamba.ops.mamba1_mixer.common import conv_new_state, new_state_keep, projections, scan_operands
+from jmamba.ops.mamba1_mixer.common import conv_new_state, new_state_keep, scan_operands
 from jmamba.ops.pallas_platform import interpret_mode
 from jmamba.ops.selective_scan import pallas as scan_pallas
 
@@ -47,7 +50,8 @@ def mamba1_mixer_core_pallas(x, z, conv_kernel, conv_bias, x_proj_kernel, dt_pro
     static = (tuning and tuning.pallas_config, interpret_mode())
     k_size = conv_kernel.shape[0]
     if x.shape[1] >= k_size - 1:
-        return _core_conv_kernel(static + (xz_packed,), x, z, conv_kernel, conv_bias, x_proj_kernel,
+        keep = tuning is not None and tuning.mixer_residuals == "activations"
+        return _core_conv_kernel(static + (xz_packed, keep), x, z, conv_kernel, conv_bias, x_proj_kernel,
                                  dt_proj_kernel, dt_bias, A, D, conv_state, ssm_state, reset)
     if xz_packed:      # a window shorter than the conv's context: the XLA conv (same formula)
         e = conv_kernel.shape[1]
@@ -96,35 +100,66 @@ def _split(src, z, conv_kernel, packed):
 
 def _core_conv_kernel_fwd(static, src, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A,
                           D, conv_state, ssm_state, reset):
-    config, interpret, packed = static
+    config, interpret, packed, keep = static
     x, gate, gate_offset = _split(src, z, conv_kernel, packed)
     u = _conv_kernels().conv_silu_forward(src, conv_state, conv_kernel, conv_bias, reset,
                                           config=_conv_config(interpret), interpret=interpret)
-    delta, Bm, Cm = projections(u, x_proj_kernel, dt_proj_kernel)
+    x_dbl, delta = _projections(u, x_proj_kernel, dt_proj_kernel)
+    Bm, Cm = _b_c(x_dbl, dt_proj_kernel.shape[0])
     y, h_last, scan_residuals = _kernels().selective_scan_forward(
         u, delta, A, Bm, Cm, D, gate, dt_bias, ssm_state, reset, delta_softplus=True, config=config,
         interpret=interpret, z_channel_offset=gate_offset)
     new_conv = conv_new_state(x, conv_state, reset, conv_kernel.shape[0], accum_dtype(x.dtype, conv_kernel.dtype))
     residuals = (src, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A, D, conv_state,
-                 ssm_state, reset, scan_residuals)
+                 ssm_state, reset, scan_residuals, (u, x_dbl, delta) if keep else None)
     return (y, new_conv, h_last), residuals
 
 
+def _projections(u, x_proj_kernel, dt_proj_kernel):
+    """(x_dbl = u · W_x [Bt, T, R + 2N], delta = Δin · W_dt [Bt, T, E]), both matmuls in u.dtype: the
+    ops of `common.projections`, with the x projection returned whole."""
+    x_dbl = jnp.dot(u, x_proj_kernel.astype(u.dtype))
+    return x_dbl, jnp.dot(x_dbl[..., :dt_proj_kernel.shape[0]], dt_proj_kernel.astype(u.dtype))
+
+
+def _b_c(x_dbl, rank):
+    """(B, C [Bt, T, 1, N]) from the x projection (Δin | B | C)."""
+    n = (x_dbl.shape[-1] - rank) // 2
+    return x_dbl[..., None, rank:rank + n], x_dbl[..., None, rank + n:]
+
+
+def _projections_vjp(u, x_dbl, x_proj_kernel, dt_proj_kernel, d_delta, dB, dC):
+    """Cotangents (du, dW_x, dW_dt) of `_projections` from the kept u and x_dbl: the transposes that
+    autodiff forms (the forward products themselves are not recomputed: they are dead code here)."""
+    rank = dt_proj_kernel.shape[0]
+    _, delta_vjp = jax.vjp(lambda a, w: jnp.dot(a, w.astype(a.dtype)), x_dbl[..., :rank], dt_proj_kernel)
+    d_dt_in, d_dt_proj = delta_vjp(d_delta)
+    d_x_dbl = jnp.concatenate([d_dt_in, dB[..., 0, :].astype(d_dt_in.dtype), dC[..., 0, :].astype(d_dt_in.dtype)],
+                              axis=-1)
+    _, x_dbl_vjp = jax.vjp(lambda a, w: jnp.dot(a, w.astype(a.dtype)), u, x_proj_kernel)
+    du, d_x_proj = x_dbl_vjp(d_x_dbl)
+    return du, d_x_proj, d_dt_proj
+
+
 def _core_conv_kernel_bwd(static, residuals, cotangents):
-    config, interpret, packed = static
+    config, interpret, packed, _ = static
     (src, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A, D, conv_state, ssm_state, reset,
-     scan_residuals) = residuals
+     scan_residuals, kept) = residuals
     d_y, d_new_conv, d_h_last = cotangents
     k_size = conv_kernel.shape[0]
     _, gate, gate_offset = _split(src, z, conv_kernel, packed)
     conv = _conv_kernels()
-    u = conv.conv_silu_forward(src, conv_state, conv_kernel, conv_bias, reset, config=_conv_config(interpret),
-                               interpret=interpret)
-    (delta, Bm, Cm), projections_vjp = jax.vjp(projections, u, x_proj_kernel, dt_proj_kernel)
+    if kept is None:     # "inputs": recompute u, then x_dbl and delta, exactly as the forward did
+        u = conv.conv_silu_forward(src, conv_state, conv_kernel, conv_bias, reset, config=_conv_config(interpret),
+                                   interpret=interpret)
+        x_dbl, delta = _projections(u, x_proj_kernel, dt_proj_kernel)
+    else:
+        u, x_dbl, delta = kept
+    Bm, Cm = _b_c(x_dbl, dt_proj_kernel.shape[0])
     du, d_delta, dA, dB, dC, dD, dz, d_dt_bias, d_ssm = _kernels().selective_scan_backward(
         u, delta, A, Bm, Cm, D, gate, dt_bias, ssm_state, reset, scan_residuals, d_y, d_h_last,
         delta_softplus=True, config=config, interpret=interpret, z_channel_offset=gate_offset)
-    du_proj, d_x_proj, d_dt_proj = projections_vjp((d_delta, dB, dC))
+    du_proj, d_x_proj, d_dt_proj = _projections_vjp(u, x_dbl, x_proj_kernel, dt_proj_kernel, d_delta, dB, dC)
     # The new state is x's last K-1 rows (T >= K-1 on this path): the kernel adds its cotangent to dx.
     keep = new_state_keep(reset, k_size)
     d_new = d_new_conv if keep is None else jnp.where(keep, d_new_conv, 0.0)

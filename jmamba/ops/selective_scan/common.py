@@ -13,6 +13,7 @@ from jmamba.core.dtypes import accum_dtype
 
 SOFTPLUS_THRESHOLD = 20.0
 XLA_INNER = ("associative", "sequential")
+MIXER_RESIDUALS = ("inputs", "activations")
 
 
 class SelectiveScanState(NamedTuple):
@@ -34,11 +35,20 @@ class SelectiveScanTuning:
       xla_inner: "associative" or "sequential" combination inside an "xla" chunk (None: backend default).
       pallas_config: a `pallas_kernels.selective_scan.ScanBlockConfig` for the "pallas" kernels
         (None: their default).
+      mixer_residuals: what the "pallas" implementation of `mamba1_mixer_core` keeps for its backward
+        (speed against memory; the values and cotangents are bit-identical either way):
+        "inputs" (default): the op's inputs only; the backward recomputes the conv output u, delta and
+          B, C (one conv kernel launch and the two projection matmuls per layer).
+        "activations": also u and delta ([Bt, T, E] each, in the compute dtype) and the x projection
+          (Δin | B | C, [Bt, T, R + 2N]); the backward skips that recomputation. At the 130m-class
+          benchmark shape (B=8, T=2048, E=1536, bf16) that is ~103 MB more per layer (~2.4 GB for 24).
+        The "reference" and "xla" compositions are differentiated by autodiff and keep what it keeps.
     """
 
     xla_chunk_size: Optional[int] = None
     xla_inner: Optional[str] = None
     pallas_config: Any = None
+    mixer_residuals: str = "inputs"
 
     def __post_init__(self):
         c = self.xla_chunk_size
@@ -46,6 +56,8 @@ class SelectiveScanTuning:
             raise ValueError(f"xla_chunk_size must be None or a positive int, got {c!r}")
         if self.xla_inner is not None and self.xla_inner not in XLA_INNER:
             raise ValueError(f"xla_inner must be None or one of {XLA_INNER}, got {self.xla_inner!r}")
+        if self.mixer_residuals not in MIXER_RESIDUALS:
+            raise ValueError(f"mixer_residuals must be one of {MIXER_RESIDUALS}, got {self.mixer_residuals!r}")
 
 
 def softplus_thresholded(x):
