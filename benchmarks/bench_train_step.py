@@ -57,6 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--mixer-residuals", default="inputs", choices=["inputs", "activations"],
                    help="mamba1: what the fused mixer core keeps for its backward (SelectiveScanTuning."
                         "mixer_residuals: recompute u, delta, B, C from the inputs, or keep them)")
+    p.add_argument("--conv-config", default=None, metavar="K=V,...",
+                   help="mamba1: the mixer core's conv kernels' ConvBlockConfig fields (e.g. "
+                        "fast_math=True,fused_multiply_add=True)")
     p.add_argument("--steady", type=int, default=0, metavar="K",
                    help="also time K steps dispatched back to back, one block_until_ready at the end (a training "
                         "loop that does not read metrics every step: dispatch overlaps the previous step)")
@@ -113,8 +116,12 @@ def scan_tuning(args):
         stack.enter_context(jmamba.ops.tuning("mamba3_siso_scan", chunk_size=16 if args.tiny else 64,
                                               **({"pallas_config": config} if config and args.arch == "mamba3" else {})))
         if args.arch == "mamba1":
+            conv = None
+            if args.conv_config:
+                from benchmarks.measure import scan_config
+                conv = scan_config(args.conv_config, "conv")
             stack.enter_context(jmamba.ops.tuning("selective_scan", mixer_residuals=args.mixer_residuals,
-                                                  **({"pallas_config": config} if config else {})))
+                                                  conv_config=conv, **({"pallas_config": config} if config else {})))
         yield
 
 

@@ -40,7 +40,8 @@
 #                                                  m3_qk16 m3_prof16 e2e3_qk16 (dq, dk̃ in bf16, the default, vs float32:
 #                                                  op sweep, per-kernel profiles of the op, train step with profile)
 # e2e1x / e2e3x: the train step for each config of E2E1_CFGS / E2E3_CFGS ("default" or K=V,...; default: default;
-# a "+keep" suffix, e.g. default+keep, adds --mixer-residuals activations).
+# suffixes, e.g. default+keep+fastconv: "+keep" adds --mixer-residuals activations, "+fastconv" the conv
+# kernels' fast_math and fused_multiply_add). conv_bench: bench_causal_conv.py's sweep (incl. fast + fma).
 # m3_profx: the Mamba-3 op's per-kernel profile (per-head angles) for each of M3_CFGS at each of M3_SHAPES.
 # m1_keep_tests: the mixer core's kept-activation tests (mixer_residuals="activations") with the real kernels.
 # new_tests: the GPU tests of fast_rotation, the hardware cos/sin and bwd_adjoint_stride in one pytest process.
@@ -96,11 +97,12 @@ pack_hlo() {  # dump dir, out file: the largest optimized module (the train step
   local f; f=$(ls -S "$1"/*after_optimizations.txt 2>/dev/null | head -1)
   [ -n "$f" ] && gzip -c "$f" > "$2" && echo "packed $f -> $2"
 }
-train_steps() {  # arch, configs ("default", K=V,... or K=V,...+keep): the train step for each, logs e2e_<arch>_<config>
-  local arch=$1 cfg tag extra; shift   # "+keep": --mixer-residuals activations (Mamba-1's kept activations)
-  for cfg in "$@"; do tag=$(echo "$cfg" | tr '=,+' '___'); extra=""
-    case $cfg in *+keep) extra="--mixer-residuals activations"; cfg=${cfg%+keep} ;; esac
-    [ "$cfg" = default ] && cfg=""
+train_steps() {  # arch, configs ("default" or K=V,..., each with optional +keep / +fastconv suffixes): the train
+  local arch=$1 cfg tag extra; shift   # step for each, logs e2e_<arch>_<config>. Mamba-1 only: "+keep" adds
+  for cfg in "$@"; do tag=$(echo "$cfg" | tr '=,+' '___'); extra=""   # --mixer-residuals activations, "+fastconv"
+    case $cfg in *+keep*) extra="$extra --mixer-residuals activations" ;; esac   # the conv kernels' fast math + fma
+    case $cfg in *+fastconv*) extra="$extra --conv-config fast_math=True,fused_multiply_add=True" ;; esac
+    cfg=${cfg%%+*}; [ "$cfg" = default ] && cfg=""
     run e2e_${arch}_$tag 130 python3 benchmarks/bench_train_step.py --arch $arch --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze $extra ${cfg:+--scan-config $cfg} ; done
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1; cat "$OUT/gpu.txt"
@@ -147,7 +149,8 @@ for s in $stages; do case $s in
                run m3_bench_fastrot 240 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b8t2048 --sweep --sweep-set fastrot ;;
   new_tests)   run gpu_tests_new 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_inline_ptx.py tests/test_mamba3_scan_pallas.py tests/test_selective_scan_pallas.py -k "fast_rotation or hardware or stride" -rA --durations=10 ;;
   e2e1x)       train_steps mamba1 ${E2E1_CFGS:-default} ;;
-  m1_keep_tests) run gpu_tests_m1_kept_activations 150 python3 -m pytest -q -p no:cacheprovider tests/test_mamba1_mixer_core.py -k "kept or mixer_residuals" -rA ;;
+  conv_tests)  run gpu_tests_conv 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_causal_conv_pallas.py -rA ;;
+  m1_keep_tests) run gpu_tests_m1_kept_activations 150 python3 -m pytest -q -p no:cacheprovider tests/test_mamba1_mixer_core.py -k "kept or checked or reaches" -rA ;;
   e2e3x)       train_steps mamba3 ${E2E3_CFGS:-default} ;;
   m3_profx)    for sh in ${M3_SHAPES:-b8t2048 b32t512}; do for cfg in ${M3_CFGS:-default}; do tag=$(echo "$cfg" | tr '=,' '__'); [ "$cfg" = default ] && cfg=""
                  run m3_profile_${sh}_per_head_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape $sh --per-head-angles --iters 10 ${cfg:+--scan-config $cfg} ; done; done ;;

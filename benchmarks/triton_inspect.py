@@ -104,7 +104,19 @@ def _op(what, scan_config, shape):
         op = m3.op_function("pallas", 64, config or m3.DEFAULT_CONFIG)
         fn = m3.forward_and_backward(op)
         return fn, [args, jax.ShapeDtypeStruct(args["V"].shape, jnp.bfloat16)]
-    raise SystemExit(f"unknown op {what!r}: mamba1 or mamba3")
+    if what == "conv":
+        from pallas_kernels.causal_conv import conv_silu_backward, conv_silu_forward
+        bsz, T, e, k = shape or (8, 2048, 1536, 4)
+        bf, f32 = jnp.bfloat16, jnp.float32
+        specs = [jax.ShapeDtypeStruct(s, t) for s, t in [
+            ((bsz, T, 2 * e), bf), ((bsz, k - 1, e), f32), ((k, e), f32), ((e,), f32), ((bsz, T, e), bf)]]
+
+        def fwd_bwd(src, state, kernel, bias, g):   # the mixer core's packed call: forward, then backward
+            u = conv_silu_forward(src, state, kernel, bias, None, config=config)
+            return u, conv_silu_backward(src, state, kernel, bias, None, g, g, g,
+                                         jnp.zeros((bsz, k - 1, e), f32), config=config)
+        return fwd_bwd, specs
+    raise SystemExit(f"unknown op {what!r}: mamba1, mamba3 or conv")
 
 
 # ----------------------------------------------------------------------------------------- compile
@@ -188,7 +200,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("capture")
-    c.add_argument("what", choices=["mamba1", "mamba3"])
+    c.add_argument("what", choices=["mamba1", "mamba3", "conv"])
     c.add_argument("--out", required=True)
     c.add_argument("--scan-config", default=None)
     c.add_argument("--shape", default=None, help="comma-separated, e.g. 8,2048,1536,16 (mamba1)")

@@ -58,11 +58,14 @@ CASES = [
     ((1, 5, 4, 4), jnp.float16, False, True, ConvBlockConfig(block_t=4, block_e=2), 2e-3),
     ((2, 9, 6, 1), jnp.float32, True, True, ConvBlockConfig(block_t=4, block_e=2), 2e-6),   # K = 1
     ((1, 70, 16, 4), jnp.bfloat16, True, False, None, 1e-2),                                  # the defaults
+    # the fast sigmoid (exp2 form; in the interpreter without the hardware approximations) and fma option
+    ((2, 37, 8, 4), jnp.float32, True, True, ConvBlockConfig(block_t=8, block_e=4, fast_math=True,
+                                                             fused_multiply_add=True), 1e-5),
 ]
 
 
 @pytest.mark.parametrize("shape,dtype,packed,reset,config,tol", CASES,
-                         ids=["f32-packed-resets", "bf16-K3", "f16-short", "f32-K1", "bf16-defaults"])
+                         ids=["f32-packed-resets", "bf16-K3", "f16-short", "f32-K1", "bf16-defaults", "f32-fast-fma"])
 def test_values_and_every_cotangent_match_the_xla_conv(shape, dtype, packed, reset, config, tol):
     bt, seqlen, e, k = shape
     src, state, kernel, bias, rs, du_a, du_b, dz = make(bt, seqlen, e, k, dtype, packed=packed, reset=reset)
@@ -137,21 +140,63 @@ def test_kernels_lower_to_triton_for_h200():
         assert text.count("__gpu$xla.gpu.triton") == 2
 
 
+def _lowered_kernels(config):
+    """The Triton kernels of one forward + backward call lowered for an abstract H200, as text."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+    s = jax.ShapeDtypeStruct
+
+    def f(src, st, w, b, g):
+        return (conv_silu_forward(src, st, w, b, None, config=config),
+                conv_silu_backward(src, st, w, b, None, g, g, None, config=config))
+
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    args = (s((2, 64, 128), jnp.bfloat16), s((2, 3, 128), jnp.float32), s((4, 128), jnp.float32),
+            s((128,), jnp.float32), s((2, 64, 128), jnp.bfloat16))
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_fast_math_and_fma_options_reach_the_lowered_kernels():
+    """fast_math puts the hardware rcp into both kernels' sigmoid and fused_multiply_add the fma
+    instruction into their taps (inline assembly, visible in the Triton IR that the custom calls
+    carry); the default has neither."""
+    default = _lowered_kernels(None)
+    fast = _lowered_kernels(ConvBlockConfig(fast_math=True, fused_multiply_add=True))
+    assert default.count("__gpu$xla.gpu.triton") == fast.count("__gpu$xla.gpu.triton") == 2
+    assert default.count("fma.rn.f32") == default.count("rcp.approx") == 0
+    assert fast.count("fma.rn.f32") >= 2 and fast.count("rcp.approx") >= 2
+
+
+def test_conv_config_flags_must_be_bools():
+    with pytest.raises(TypeError, match="ConvBlockConfig.fast_math must be a bool"):
+        ConvBlockConfig(fast_math=1).validate()
+    with pytest.raises(TypeError, match="ConvBlockConfig.fused_multiply_add must be a bool"):
+        ConvBlockConfig(fused_multiply_add="yes").validate()
+
+
+FAST_CONV = ConvBlockConfig(fast_math=True, fused_multiply_add=True)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,dtype,packed,reset,tol", [
-    ((8, 2048, 1536, 4), jnp.bfloat16, True, False, 1e-2),
-    ((2, 999, 96, 4), jnp.float32, False, True, 2e-5),
-    ((3, 300, 40, 3), jnp.float16, True, True, 3e-3),
-], ids=["perf-shape-packed", "f32-odd-resets", "f16-K3"])
-def test_gpu_values_and_cotangents_match_the_cpu_reference(shape, dtype, packed, reset, tol):
+@pytest.mark.parametrize("shape,dtype,packed,reset,config,tol", [
+    ((8, 2048, 1536, 4), jnp.bfloat16, True, False, None, 1e-2),
+    ((2, 999, 96, 4), jnp.float32, False, True, None, 2e-5),
+    ((3, 300, 40, 3), jnp.float16, True, True, None, 3e-3),
+    ((8, 2048, 1536, 4), jnp.bfloat16, True, False, FAST_CONV, 1e-2),
+    ((2, 999, 96, 4), jnp.float32, False, True, FAST_CONV, 2e-5),
+], ids=["perf-shape-packed", "f32-odd-resets", "f16-K3", "perf-shape-packed-fast-fma", "f32-odd-resets-fast-fma"])
+def test_gpu_values_and_cotangents_match_the_cpu_reference(shape, dtype, packed, reset, config, tol):
     """On the H200, against the XLA conv run on the CPU (XLA:GPU fuses with excess precision)."""
     bt, seqlen, e, k = shape
     ops_ = make(bt, seqlen, e, k, dtype, packed=packed, reset=reset)
     src, state, kernel, bias, rs, du_a, du_b, dz = ops_
     d_new = jnp.asarray(np.random.default_rng(5).normal(size=state.shape), jnp.float32)
-    u = conv_silu_forward(src, state, kernel, bias, rs)
-    got = conv_silu_backward(src, state, kernel, bias, rs, du_a, du_b, dz, kernel_d_new(d_new, rs, k))
-    again = conv_silu_backward(src, state, kernel, bias, rs, du_a, du_b, dz, kernel_d_new(d_new, rs, k))
+    u = conv_silu_forward(src, state, kernel, bias, rs, config=config)
+    got = conv_silu_backward(src, state, kernel, bias, rs, du_a, du_b, dz, kernel_d_new(d_new, rs, k), config=config)
+    again = conv_silu_backward(src, state, kernel, bias, rs, du_a, du_b, dz, kernel_d_new(d_new, rs, k),
+                               config=config)
     for a, b in zip(got, again):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     cpu = jax.devices("cpu")[0]

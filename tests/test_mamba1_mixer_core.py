@@ -307,9 +307,27 @@ def test_pallas_kept_activations_give_the_same_values_and_cotangents_bit_for_bit
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def test_mixer_residuals_must_be_a_known_mode():
+def test_mixer_residuals_and_conv_config_are_checked():
     with pytest.raises(ValueError, match="mixer_residuals must be one of"):
         ops.SelectiveScanTuning(mixer_residuals="all")
+    with pytest.raises(TypeError, match="conv_config must be None or a pallas_kernels.causal_conv.ConvBlockConfig"):
+        ops.SelectiveScanTuning(conv_config=dict(block_t=8))
+
+
+def test_conv_config_tuning_reaches_the_fused_op():
+    """The tuning's conv_config (here the fast sigmoid and fma forms, with kept activations) runs the
+    op's conv kernels: values and every cotangent still match the reference."""
+    from pallas_kernels.causal_conv import ConvBlockConfig
+    args, state, reset = make_inputs(2, 37, 32, 5, 4, 4, jnp.float32, reset="positions")
+    fast = ConvBlockConfig(fast_math=True, fused_multiply_add=True)
+    with ops.tuning("selective_scan", conv_config=fast, mixer_residuals="activations"):
+        got_v, got, got_s = _loss_and_grads("pallas", args, state, reset)
+    want_v, want, want_s = _loss_and_grads("reference", args, state, reset)
+    assert_close("loss", got_v, want_v, 3e-5)
+    for name in want:
+        assert_close(f"d{name}", got[name], want[name], 3e-5)
+    assert_close("d initial_state.conv", got_s.conv, want_s.conv, 3e-5)
+    assert_close("d initial_state.ssm", got_s.ssm, want_s.ssm, 3e-5)
 
 
 def test_reruns_are_bit_identical():

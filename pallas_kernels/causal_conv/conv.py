@@ -29,13 +29,15 @@ from pallas_kernels.common.dtypes import F32, I32
 from pallas_kernels.common.launch import run_kernel
 from pallas_kernels.common.padding import pad_axis_to
 from pallas_kernels.common.sizes import largest_power_of_2_dividing, next_power_of_2, round_up
+from pallas_kernels.selective_scan.kernel_math import KernelMath
 
 
 class _Tiling:
     """Block sizes and the block specs of one call."""
 
-    def __init__(self, src, kernel, config: ConvBlockConfig | None):
+    def __init__(self, src, kernel, config: ConvBlockConfig | None, interpret: bool):
         cfg = (config or DEFAULT_CONV_CONFIG).validate()
+        self.km = KernelMath(fast=cfg.fast_math, fused=cfg.fused_multiply_add, gpu=not interpret)
         self.bt, self.seqlen, self.channels = src.shape
         self.k_size, self.e = kernel.shape
         self.halo = next_power_of_2(max(self.k_size - 1, 1))
@@ -116,13 +118,13 @@ def _common_operands(tiling, src, conv_state, kernel, bias, reset):
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def conv_silu_forward(src, conv_state, kernel, bias, reset, *, config=None, interpret=False):
     """u = silu(causal_conv(x̃) + bias) [Bt, T, E] in src.dtype (x = src[..., :E]; module docstring)."""
-    t = _Tiling(src, kernel, config)
+    t = _Tiling(src, kernel, config, interpret)
     src_p, state, w, b, dist = _common_operands(t, src, conv_state, kernel, bias, reset)
     inputs = [("x", src_p, t.rows()), ("past", src_p, t.past()), ("state", state, t.per_batch()),
               ("w", w, t.weights()), ("bias", b, t.channel_vector()), ("dist", dist, t.dist())]
     out = run_kernel(
         functools.partial(kernels.forward_body, k_size=t.k_size, halo=t.halo, block_t=t.block_t,
-                          has_reset=reset is not None),
+                          has_reset=reset is not None, km=t.km),
         grid=t.grid(t.n_e), inputs=inputs,
         outputs=[("u", jax.ShapeDtypeStruct((t.bt, t.t_pad, t.e), src.dtype), t.out_rows())],
         name="causal_conv_silu_forward", num_warps=t.num_warps, num_stages=1, interpret=interpret)
@@ -143,7 +145,7 @@ def conv_silu_backward(src, conv_state, kernel, bias, reset, du_a, du_b, dz, d_n
       (d_src [Bt, T, C] src.dtype, d_state [Bt, K-1, E] float32, dkernel [K, E] float32,
        dbias [E] float32).
     """
-    t = _Tiling(src, kernel, config)
+    t = _Tiling(src, kernel, config, interpret)
     if d_new is not None and (t.seqlen < t.k_size - 1 or d_new.shape != (t.bt, t.k_size - 1, t.e)):
         raise ValueError(f"d_new must be [Bt, K-1, E] = {(t.bt, t.k_size - 1, t.e)} with T >= K-1, got "
                          f"{d_new.shape} with T = {t.seqlen}")
@@ -169,7 +171,7 @@ def conv_silu_backward(src, conv_state, kernel, bias, reset, du_a, du_b, dz, d_n
                ("d_state", jax.ShapeDtypeStruct((t.bt, t.halo, t.e), F32), t.per_batch())]
     out = run_kernel(
         functools.partial(kernels.backward_body, k_size=t.k_size, halo=t.halo, block_t=t.block_t,
-                          seqlen=t.seqlen, has_reset=reset is not None, conv_blocks=t.n_e),
+                          seqlen=t.seqlen, has_reset=reset is not None, conv_blocks=t.n_e, km=t.km),
         grid=t.grid(channel_blocks), inputs=inputs, outputs=outputs,
         name="causal_conv_silu_backward", num_warps=t.num_warps, num_stages=1, interpret=interpret)
     d_src = out["dx"][:, :t.seqlen]

@@ -14,6 +14,8 @@ and with `d_new` (the cotangent of the new conv state, x's last K-1 rows) added 
 T-(K-1) .. T-1 before the taps (the reference's order).
 Everything is float32; rows are loaded one by one at static indices (no value slicing, which the
 Triton lowering does not support), so a program's loads are all issued before its arithmetic.
+`km` (a `KernelMath`) gives the sigmoid and the multiply-adds: exact forms by default, the hardware
+ex2 / rcp and one-rounding fma with ConvBlockConfig.fast_math / fused_multiply_add on the GPU.
 """
 
 from __future__ import annotations
@@ -22,10 +24,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common.dtypes import F32
-
-
-def _sigmoid(c):
-    return 1.0 / (1.0 + jnp.exp(-c))
 
 
 def _x_rows(refs, first, *, halo, block_t, future):
@@ -43,30 +41,31 @@ def _dist(refs, r, block_t):
     return refs["dist"][r] if r < block_t else refs["dist_future"][r - block_t]
 
 
-def _conv_at(rows, w, bias, refs, r, *, k_size, halo, block_t, has_reset):
+def _conv_at(rows, w, bias, refs, r, *, k_size, halo, block_t, has_reset, km):
     """c at position t0 + r from the x̃ rows (k = 0 first, then the bias: the reference's order)."""
     c = None
     d = _dist(refs, r, block_t) if has_reset else None
     for k in range(k_size):
         j = k_size - 1 - k
-        v = w[k] * rows[halo + r - j]
+        row = rows[halo + r - j]
         if has_reset and j > 0:
-            v = jnp.where(j <= d, v, 0.0)
-        c = v if c is None else c + v
+            row = jnp.where(j <= d, row, 0.0)     # w·0 = 0: the same as masking the product
+        c = w[k] * row if c is None else km.fma(w[k], row, c)
     return c + bias
 
 
-def forward_body(refs, *, k_size, halo, block_t, has_reset):
+def forward_body(refs, *, k_size, halo, block_t, has_reset, km):
     """u rows of the program's block (module docstring)."""
     w = [refs["w"][k].astype(F32) for k in range(k_size)]
     bias = refs["bias"][...].astype(F32)
     rows = _x_rows(refs, pl.program_id(1) == 0, halo=halo, block_t=block_t, future=False)
     for i in range(block_t):
-        c = _conv_at(rows, w, bias, refs, i, k_size=k_size, halo=halo, block_t=block_t, has_reset=has_reset)
-        refs["u"][i] = (c * _sigmoid(c)).astype(refs["u"].dtype)
+        c = _conv_at(rows, w, bias, refs, i, k_size=k_size, halo=halo, block_t=block_t, has_reset=has_reset,
+                     km=km)
+        refs["u"][i] = (c * km.sigmoid(c)).astype(refs["u"].dtype)
 
 
-def backward_body(refs, *, k_size, halo, block_t, seqlen, has_reset, conv_blocks):
+def backward_body(refs, *, k_size, halo, block_t, seqlen, has_reset, conv_blocks, km):
     """dx, the dw / db partials and (first block) dstate of the program's block; programs whose
     channel block index is >= `conv_blocks` copy their block of dz into the packed cotangent."""
     t, e = pl.program_id(1), pl.program_id(2)     # (read here: program_id inside pl.when does not interpret)
@@ -78,10 +77,11 @@ def backward_body(refs, *, k_size, halo, block_t, seqlen, has_reset, conv_blocks
 
     @pl.when(e < conv_blocks)
     def _():
-        _conv_backward(refs, t, k_size=k_size, halo=halo, block_t=block_t, seqlen=seqlen, has_reset=has_reset)
+        _conv_backward(refs, t, k_size=k_size, halo=halo, block_t=block_t, seqlen=seqlen, has_reset=has_reset,
+                       km=km)
 
 
-def _conv_backward(refs, t, *, k_size, halo, block_t, seqlen, has_reset):
+def _conv_backward(refs, t, *, k_size, halo, block_t, seqlen, has_reset, km):
     t0 = t * block_t
     w = [refs["w"][k].astype(F32) for k in range(k_size)]
     bias = refs["bias"][...].astype(F32)
@@ -94,10 +94,11 @@ def _conv_backward(refs, t, *, k_size, halo, block_t, seqlen, has_reset):
 
     dc = []
     for r in range(block_t + k_size - 1):       # this block and the first K-1 positions after it
-        c = _conv_at(rows, w, bias, refs, r, k_size=k_size, halo=halo, block_t=block_t, has_reset=has_reset)
+        c = _conv_at(rows, w, bias, refs, r, k_size=k_size, halo=halo, block_t=block_t, has_reset=has_reset,
+                     km=km)
         g = g_at(r)
-        s = _sigmoid(c)
-        d = g * s + (c * g) * (s * (1.0 - s))
+        s = km.sigmoid(c)
+        d = km.fma(g, s, (c * g) * (s * (1.0 - s)))
         dc.append(jnp.where(t0 + r < seqlen, d, 0.0))
 
     def masked(r, j):
@@ -110,8 +111,7 @@ def _conv_backward(refs, t, *, k_size, halo, block_t, seqlen, has_reset):
         acc = None if tail_row is None else refs["d_new"][tail_row]   # the new state's cotangent first
         for k in range(k_size):
             j = k_size - 1 - k
-            v = w[k] * masked(i + j, j)
-            acc = v if acc is None else acc + v
+            acc = w[k] * masked(i + j, j) if acc is None else km.fma(w[k], masked(i + j, j), acc)
         return acc.astype(refs["dx"].dtype)
 
     # The new conv state is x's last K-1 rows: their cotangent (d_new, [halo, block_e] with row s for
@@ -141,8 +141,7 @@ def _conv_backward(refs, t, *, k_size, halo, block_t, seqlen, has_reset):
         j = k_size - 1 - k
         acc = None
         for i in range(block_t):
-            v = masked(i, j) * rows[halo + i - j]
-            acc = v if acc is None else acc + v
+            acc = masked(i, j) * rows[halo + i - j] if acc is None else km.fma(masked(i, j), rows[halo + i - j], acc)
         refs["dw"][k] = acc
     db = dc[0]
     for i in range(1, block_t):
@@ -159,5 +158,5 @@ def _conv_backward(refs, t, *, k_size, halo, block_t, seqlen, has_reset):
                 for k in range(k_size):
                     j = k_size - 1 - k
                     if 0 <= p + j < block_t:
-                        acc = acc + w[k] * masked(p + j, j)
+                        acc = km.fma(w[k], masked(p + j, j), acc)
             refs["d_state"][row] = acc

@@ -51,7 +51,9 @@ def mamba1_mixer_core_pallas(x, z, conv_kernel, conv_bias, x_proj_kernel, dt_pro
     k_size = conv_kernel.shape[0]
     if x.shape[1] >= k_size - 1:
         keep = tuning is not None and tuning.mixer_residuals == "activations"
-        return _core_conv_kernel(static + (xz_packed, keep), x, z, conv_kernel, conv_bias, x_proj_kernel,
+        conv_config = _conv_config(static[1], tuning and tuning.conv_config)
+        return _core_conv_kernel(static + (xz_packed, keep, conv_config), x, z, conv_kernel, conv_bias,
+                                 x_proj_kernel,
                                  dt_proj_kernel, dt_bias, A, D, conv_state, ssm_state, reset)
     if xz_packed:      # a window shorter than the conv's context: the XLA conv (same formula)
         e = conv_kernel.shape[1]
@@ -70,14 +72,16 @@ def _conv_kernels():
     return causal_conv
 
 
-def _conv_config(interpret):
-    """The conv kernels' block config: the default on the GPU; under the CPU interpreter 8-position
-    blocks, because the interpreter compiles each program's unrolled rows (its cost grows with
-    block_t, not with the work). The kernels are tested at both sizes (tests/test_causal_conv_pallas.py)."""
+def _conv_config(interpret, config=None):
+    """The conv kernels' block config: `config` (the tuning's conv_config; None: the default) on the
+    GPU; under the CPU interpreter 8-position blocks, because the interpreter compiles each program's
+    unrolled rows (its cost grows with block_t, not with the work). The kernels are tested at both
+    sizes (tests/test_causal_conv_pallas.py)."""
     if not interpret:
-        return None
+        return config
+    import dataclasses
     from pallas_kernels.causal_conv import ConvBlockConfig
-    return ConvBlockConfig(block_t=8)
+    return dataclasses.replace(config or ConvBlockConfig(), block_t=8)
 
 
 # ------------------------------------------------------------------- the conv kernel path (T >= K-1)
@@ -100,10 +104,10 @@ def _split(src, z, conv_kernel, packed):
 
 def _core_conv_kernel_fwd(static, src, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A,
                           D, conv_state, ssm_state, reset):
-    config, interpret, packed, keep = static
+    config, interpret, packed, keep, conv_config = static
     x, gate, gate_offset = _split(src, z, conv_kernel, packed)
     u = _conv_kernels().conv_silu_forward(src, conv_state, conv_kernel, conv_bias, reset,
-                                          config=_conv_config(interpret), interpret=interpret)
+                                          config=conv_config, interpret=interpret)
     x_dbl, delta = _projections(u, x_proj_kernel, dt_proj_kernel)
     Bm, Cm = _b_c(x_dbl, dt_proj_kernel.shape[0])
     y, h_last, scan_residuals = _kernels().selective_scan_forward(
@@ -142,7 +146,7 @@ def _projections_vjp(u, x_dbl, x_proj_kernel, dt_proj_kernel, d_delta, dB, dC):
 
 
 def _core_conv_kernel_bwd(static, residuals, cotangents):
-    config, interpret, packed, _ = static
+    config, interpret, packed, _, conv_config = static
     (src, z, conv_kernel, conv_bias, x_proj_kernel, dt_proj_kernel, dt_bias, A, D, conv_state, ssm_state, reset,
      scan_residuals, kept) = residuals
     d_y, d_new_conv, d_h_last = cotangents
@@ -150,7 +154,7 @@ def _core_conv_kernel_bwd(static, residuals, cotangents):
     _, gate, gate_offset = _split(src, z, conv_kernel, packed)
     conv = _conv_kernels()
     if kept is None:     # "inputs": recompute u, then x_dbl and delta, exactly as the forward did
-        u = conv.conv_silu_forward(src, conv_state, conv_kernel, conv_bias, reset, config=_conv_config(interpret),
+        u = conv.conv_silu_forward(src, conv_state, conv_kernel, conv_bias, reset, config=conv_config,
                                    interpret=interpret)
         x_dbl, delta = _projections(u, x_proj_kernel, dt_proj_kernel)
     else:
@@ -165,7 +169,7 @@ def _core_conv_kernel_bwd(static, residuals, cotangents):
     d_new = d_new_conv if keep is None else jnp.where(keep, d_new_conv, 0.0)
     d_src, d_conv_state, d_conv_kernel, d_conv_bias = conv.conv_silu_backward(
         src, conv_state, conv_kernel, conv_bias, reset, du, du_proj, dz if packed else None, d_new,
-        config=_conv_config(interpret), interpret=interpret)
+        config=conv_config, interpret=interpret)
     return (d_src, None if packed else dz, d_conv_kernel.astype(conv_kernel.dtype),
             None if conv_bias is None else d_conv_bias.astype(conv_bias.dtype),
             d_x_proj, d_dt_proj, d_dt_bias, dA, dD, d_conv_state.astype(conv_state.dtype), d_ssm, None)

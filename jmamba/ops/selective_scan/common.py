@@ -43,12 +43,15 @@ class SelectiveScanTuning:
           (Δin | B | C, [Bt, T, R + 2N]); the backward skips that recomputation. At the 130m-class
           benchmark shape (B=8, T=2048, E=1536, bf16) that is ~103 MB more per layer (~2.4 GB for 24).
         The "reference" and "xla" compositions are differentiated by autodiff and keep what it keeps.
+      conv_config: a `pallas_kernels.causal_conv.ConvBlockConfig` for the conv kernels of the "pallas"
+        `mamba1_mixer_core` (None: their default).
     """
 
     xla_chunk_size: Optional[int] = None
     xla_inner: Optional[str] = None
     pallas_config: Any = None
     mixer_residuals: str = "inputs"
+    conv_config: Any = None
 
     def __post_init__(self):
         c = self.xla_chunk_size
@@ -58,6 +61,12 @@ class SelectiveScanTuning:
             raise ValueError(f"xla_inner must be None or one of {XLA_INNER}, got {self.xla_inner!r}")
         if self.mixer_residuals not in MIXER_RESIDUALS:
             raise ValueError(f"mixer_residuals must be one of {MIXER_RESIDUALS}, got {self.mixer_residuals!r}")
+        if self.conv_config is not None:
+            from pallas_kernels.causal_conv import ConvBlockConfig   # the config module only
+            if not isinstance(self.conv_config, ConvBlockConfig):
+                raise TypeError(f"conv_config must be None or a pallas_kernels.causal_conv.ConvBlockConfig, "
+                                f"got {type(self.conv_config).__name__}")
+            self.conv_config.validate()
 
 
 def softplus_thresholded(x):
