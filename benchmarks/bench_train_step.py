@@ -54,9 +54,10 @@ def parse_args(argv=None):
     p.add_argument("--scan-config", default=None, metavar="K=V,...",
                    help="the Pallas scan config of --arch as fields of ScanBlockConfig (mamba1, e.g. "
                         "fwd_mosaic=True,chunk=64) or Mamba3ScanConfig (mamba3, e.g. stored_scores=True)")
-    p.add_argument("--mixer-residuals", default="inputs", choices=["inputs", "activations"],
+    p.add_argument("--mixer-residuals", default=None, choices=["inputs", "activations"],
                    help="mamba1: what the fused mixer core keeps for its backward (SelectiveScanTuning."
-                        "mixer_residuals: recompute u, delta, B, C from the inputs, or keep them)")
+                        "mixer_residuals: recompute u, delta, B, C from the inputs, or keep them; default: "
+                        "the library's)")
     p.add_argument("--conv-config", default=None, metavar="K=V,...",
                    help="mamba1: the mixer core's conv kernels' ConvBlockConfig fields (e.g. "
                         "fast_math=True,fused_multiply_add=True)")
@@ -120,8 +121,9 @@ def scan_tuning(args):
             if args.conv_config:
                 from benchmarks.measure import scan_config
                 conv = scan_config(args.conv_config, "conv")
-            stack.enter_context(jmamba.ops.tuning("selective_scan", mixer_residuals=args.mixer_residuals,
-                                                  conv_config=conv, **({"pallas_config": config} if config else {})))
+            fields = {"pallas_config": config, "conv_config": conv, "mixer_residuals": args.mixer_residuals}
+            stack.enter_context(jmamba.ops.tuning("selective_scan",
+                                                  **{k: v for k, v in fields.items() if v is not None}))
         yield
 
 

@@ -41,7 +41,8 @@
 #                                                  op sweep, per-kernel profiles of the op, train step with profile)
 # e2e1x / e2e3x: the train step for each config of E2E1_CFGS / E2E3_CFGS ("default" or K=V,...; default: default;
 # suffixes, e.g. default+keep+fastconv: "+keep" adds --mixer-residuals activations, "+fastconv" the conv
-# kernels' fast_math and fused_multiply_add). conv_bench: bench_causal_conv.py's sweep (incl. fast + fma).
+# kernels' fast_math and fused_multiply_add (both the defaults since 2026-12-06); "+recompute" and "+exactconv"
+# turn them off). conv_bench: bench_causal_conv.py's sweep (incl. fast + fma).
 # m3_profx: the Mamba-3 op's per-kernel profile (per-head angles) for each of M3_CFGS at each of M3_SHAPES.
 # m1_keep_tests: the mixer core's kept-activation tests (mixer_residuals="activations") with the real kernels.
 # new_tests: the GPU tests of fast_rotation, the hardware cos/sin and bwd_adjoint_stride in one pytest process.
@@ -102,6 +103,8 @@ train_steps() {  # arch, configs ("default" or K=V,..., each with optional +keep
   for cfg in "$@"; do tag=$(echo "$cfg" | tr '=,+' '___'); extra=""   # --mixer-residuals activations, "+fastconv"
     case $cfg in *+keep*) extra="$extra --mixer-residuals activations" ;; esac   # the conv kernels' fast math + fma
     case $cfg in *+fastconv*) extra="$extra --conv-config fast_math=True,fused_multiply_add=True" ;; esac
+    case $cfg in *+recompute*) extra="$extra --mixer-residuals inputs" ;; esac     # the defaults before 2026-12-06
+    case $cfg in *+exactconv*) extra="$extra --conv-config fast_math=False,fused_multiply_add=False" ;; esac
     cfg=${cfg%%+*}; [ "$cfg" = default ] && cfg=""
     run e2e_${arch}_$tag 130 python3 benchmarks/bench_train_step.py --arch $arch --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze $extra ${cfg:+--scan-config $cfg} ; done
 }

@@ -58,14 +58,14 @@ CASES = [
     ((1, 5, 4, 4), jnp.float16, False, True, ConvBlockConfig(block_t=4, block_e=2), 2e-3),
     ((2, 9, 6, 1), jnp.float32, True, True, ConvBlockConfig(block_t=4, block_e=2), 2e-6),   # K = 1
     ((1, 70, 16, 4), jnp.bfloat16, True, False, None, 1e-2),                                  # the defaults
-    # the fast sigmoid (exp2 form; in the interpreter without the hardware approximations) and fma option
-    ((2, 37, 8, 4), jnp.float32, True, True, ConvBlockConfig(block_t=8, block_e=4, fast_math=True,
-                                                             fused_multiply_add=True), 1e-5),
+    # the exact sigmoid and separate multiply and add (the defaults are the fast forms)
+    ((2, 37, 8, 4), jnp.float32, True, True, ConvBlockConfig(block_t=8, block_e=4, fast_math=False,
+                                                             fused_multiply_add=False), 2e-6),
 ]
 
 
 @pytest.mark.parametrize("shape,dtype,packed,reset,config,tol", CASES,
-                         ids=["f32-packed-resets", "bf16-K3", "f16-short", "f32-K1", "bf16-defaults", "f32-fast-fma"])
+                         ids=["f32-packed-resets", "bf16-K3", "f16-short", "f32-K1", "bf16-defaults", "f32-exact"])
 def test_values_and_every_cotangent_match_the_xla_conv(shape, dtype, packed, reset, config, tol):
     bt, seqlen, e, k = shape
     src, state, kernel, bias, rs, du_a, du_b, dz = make(bt, seqlen, e, k, dtype, packed=packed, reset=reset)
@@ -161,11 +161,11 @@ def _lowered_kernels(config):
 def test_fast_math_and_fma_options_reach_the_lowered_kernels():
     """fast_math puts the hardware rcp into both kernels' sigmoid and fused_multiply_add the fma
     instruction into their taps (inline assembly, visible in the Triton IR that the custom calls
-    carry); the default has neither."""
-    default = _lowered_kernels(None)
-    fast = _lowered_kernels(ConvBlockConfig(fast_math=True, fused_multiply_add=True))
-    assert default.count("__gpu$xla.gpu.triton") == fast.count("__gpu$xla.gpu.triton") == 2
-    assert default.count("fma.rn.f32") == default.count("rcp.approx") == 0
+    carry); with both off there is neither."""
+    exact = _lowered_kernels(ConvBlockConfig(fast_math=False, fused_multiply_add=False))
+    fast = _lowered_kernels(None)      # the default: both on
+    assert exact.count("__gpu$xla.gpu.triton") == fast.count("__gpu$xla.gpu.triton") == 2
+    assert exact.count("fma.rn.f32") == exact.count("rcp.approx") == 0
     assert fast.count("fma.rn.f32") >= 2 and fast.count("rcp.approx") >= 2
 
 
@@ -176,17 +176,18 @@ def test_conv_config_flags_must_be_bools():
         ConvBlockConfig(fused_multiply_add="yes").validate()
 
 
-FAST_CONV = ConvBlockConfig(fast_math=True, fused_multiply_add=True)
+FAST_CONV = ConvBlockConfig(fast_math=True, fused_multiply_add=True)       # the default
+EXACT_CONV = ConvBlockConfig(fast_math=False, fused_multiply_add=False)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,dtype,packed,reset,config,tol", [
-    ((8, 2048, 1536, 4), jnp.bfloat16, True, False, None, 1e-2),
-    ((2, 999, 96, 4), jnp.float32, False, True, None, 2e-5),
+    ((8, 2048, 1536, 4), jnp.bfloat16, True, False, EXACT_CONV, 1e-2),
+    ((2, 999, 96, 4), jnp.float32, False, True, EXACT_CONV, 2e-5),
     ((3, 300, 40, 3), jnp.float16, True, True, None, 3e-3),
     ((8, 2048, 1536, 4), jnp.bfloat16, True, False, FAST_CONV, 1e-2),
     ((2, 999, 96, 4), jnp.float32, False, True, FAST_CONV, 2e-5),
-], ids=["perf-shape-packed", "f32-odd-resets", "f16-K3", "perf-shape-packed-fast-fma", "f32-odd-resets-fast-fma"])
+], ids=["perf-shape-packed-exact", "f32-odd-resets-exact", "f16-K3", "perf-shape-packed-fast-fma", "f32-odd-resets-fast-fma"])
 def test_gpu_values_and_cotangents_match_the_cpu_reference(shape, dtype, packed, reset, config, tol):
     """On the H200, against the XLA conv run on the CPU (XLA:GPU fuses with excess precision)."""
     bt, seqlen, e, k = shape

@@ -238,9 +238,9 @@ def test_forward_is_the_unfused_composition_bit_for_bit():
 
 
 def test_pallas_backward_saves_no_per_position_activation_but_x_and_z():
-    """The Pallas path keeps x and z ([Bt, T, E] in the compute dtype) and nothing else per position
-    of width E: the conv output, u and delta are recomputed in the backward. The plain composition
-    keeps several (this is what the fused op is for)."""
+    """With mixer_residuals="inputs" the Pallas path keeps x and z ([Bt, T, E] in the compute dtype)
+    and nothing else per position of width E: the conv output, u and delta are recomputed in the
+    backward. The plain composition keeps several (this is what the fused op is for)."""
     from jax._src.ad_checkpoint import saved_residuals   # print_saved_residuals only prints
 
     bsz, seqlen, e = 2, 64, 16
@@ -249,7 +249,8 @@ def test_pallas_backward_saves_no_per_position_activation_but_x_and_z():
 
     def per_position(impl):
         def f(*vals):
-            return run(impl, dict(args, **dict(zip(present, vals))), state, reset)[0]
+            with ops.tuning("selective_scan", mixer_residuals="inputs"):
+                return run(impl, dict(args, **dict(zip(present, vals))), state, reset)[0]
         res = saved_residuals(f, *(args[k] for k in present))
         return [aval for aval, _ in res if tuple(aval.shape[:2]) == (bsz, seqlen) and aval.shape[-1] == e]
 
@@ -276,6 +277,7 @@ def test_pallas_kept_activations_save_u_delta_and_the_x_projection():
 
     assert per_position("inputs") == [e, e]
     assert per_position("activations") == [rank + 2 * n, e, e, e, e]
+    assert ops.SelectiveScanTuning().mixer_residuals == "activations"     # the default
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["x-z", "xz-packed"])

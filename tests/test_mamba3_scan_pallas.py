@@ -240,10 +240,12 @@ def test_rotation_in_the_chunk_gradient_launch_matches_reference(shape, dtype, s
 
 
 @pytest.mark.parametrize("shape,shared,config", [
-    ((2, 37, 4, 2, 8, 3, 2), False, Mamba3ScanConfig(fast_rotation=True)),
-    ((2, 37, 4, 1, 64, 16, 16), True, dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation=True)),
+    ((2, 37, 4, 2, 8, 3, 2), False, Mamba3ScanConfig(fast_rotation=True, fast_rotation_backward=True)),
+    ((2, 37, 4, 1, 64, 16, 16), True, dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation=True,
+                                                          fast_rotation_backward=True)),
     ((2, 37, 4, 2, 8, 3, 2), True, Mamba3ScanConfig(fast_rotation=True, fast_rotation_backward=False)),
-    ((2, 37, 4, 1, 64, 16, 16), False, dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation_backward=True))],
+    ((2, 37, 4, 1, 64, 16, 16), False, dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation=False,
+                                                           fast_rotation_backward=True))],
     ids=["query-key-gradient-kernel", "rotation-in-chunk-gradients", "forward-only", "backward-only"])
 def test_fast_rotation_matches_reference(shape, shared, config):
     """config.fast_rotation (cos / sin from θ − π; the hardware's approximations on the GPU) at each
@@ -551,12 +553,13 @@ def test_stored_for_keys_lowers_for_h200():
 
 
 @pytest.mark.parametrize("config,kernels_rotating", [
-    (Mamba3ScanConfig(fast_rotation=True), 2),                                  # q/k forward, q/k gradients
-    (dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation=True), 3),            # q/k forward, two head launches
+    (Mamba3ScanConfig(fast_rotation=True, fast_rotation_backward=True), 2),     # q/k forward, q/k gradients
+    (dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation_backward=True), 3),   # q/k forward, two head launches
     (Mamba3ScanConfig(fast_rotation=True, fast_rotation_backward=False), 1),    # q/k forward only
-    (dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation_backward=True), 2),   # the two head launches only
+    (dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation=False, fast_rotation_backward=True), 2),   # head launches
+    (Mamba3ScanConfig(), 1),                                                    # the default: q/k forward only
     (Mamba3ScanConfig(fast_rotation=False), 0)],
-    ids=["fast", "fast-rotation-in-chunk-gradients", "forward-only", "backward-only", "libdevice"])
+    ids=["fast", "fast-rotation-in-chunk-gradients", "forward-only", "backward-only", "default", "libdevice"])
 def test_fast_rotation_lowers_to_the_hardware_instructions(config, kernels_rotating):
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
     assert text.count("cos.approx.ftz.f32") == text.count("sin.approx.ftz.f32") == kernels_rotating
@@ -732,8 +735,9 @@ def test_gpu_stored_scores_and_ungated_output_match_reference(scores, ungated, k
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shared,config", [
-    (True, Mamba3ScanConfig(fast_rotation=True)), (False, Mamba3ScanConfig(fast_rotation=True)),
-    (True, dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation=True)),
+    (True, Mamba3ScanConfig(fast_rotation=True, fast_rotation_backward=True)),
+    (False, Mamba3ScanConfig(fast_rotation=True, fast_rotation_backward=True)),
+    (True, dataclasses.replace(ROTATE_IN_CHUNKS, fast_rotation=True, fast_rotation_backward=True)),
     (True, Mamba3ScanConfig(fast_rotation=True, fast_rotation_backward=False)),
     (False, Mamba3ScanConfig(fast_rotation=True, fast_rotation_backward=False))],
     ids=["shared-angles", "per-head-angles", "rotation-in-chunk-gradients", "forward-only-shared",

@@ -21,16 +21,19 @@ class ConvBlockConfig:
       libdevice's exp and an IEEE division (~10 instructions);
     fused_multiply_add: the taps' and the weight sums' a·b + c as one `fma.rn.f32` (XLA does not let
       the compiler contract them; one rounding instead of two).
-    Both change only the float32 rounding inside the kernels and only on the GPU (the interpreter
-    computes the exact forms). Off by default until timed on the H200: the backward kernel compiles
-    to 255 registers at one warp and ~81 SASS instructions per element (benchmarks/triton_inspect.py
-    conv), so it is instruction-bound well above its ~40 µs byte floor at B=8 T=2048."""
+    Both change only the float32 rounding inside the kernels; the hardware forms exist only on the GPU
+    (the interpreter computes the exp2 form of the sigmoid with an exact division, and a·b + c). Both on
+    by default since 2026-12-06: the backward kernel compiled to 255 registers at one warp and ~81 SASS
+    instructions per element (benchmarks/triton_inspect.py conv), instruction-bound well above its
+    ~40 µs byte floor at B=8 T=2048; with both, 3240 instead of 5216 instructions per program
+    (forward 1096 instead of 2256), and on an H100 the op's backward 287 → 263 µs per call
+    (bench_causal_conv.py), the train step −1.1 ms (benchmarks/notes_training_step.md, session 27)."""
 
     block_t: int = 32
     block_e: int = 64
     num_warps: int = 1
-    fast_math: bool = False
-    fused_multiply_add: bool = False
+    fast_math: bool = True
+    fused_multiply_add: bool = True
 
     def validate(self) -> "ConvBlockConfig":
         for name in ("block_t", "block_e", "num_warps"):

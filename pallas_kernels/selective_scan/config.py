@@ -72,11 +72,13 @@ class ScanBlockConfig:
         with stride 2). The gradients kernel then walks a block of `stride` sub-chunks right to left:
         one forward pass to find each sub-chunk's start state, then per sub-chunk (last first) the
         usual forward keeping its states and the reverse walk, whose adjoint enters the next one to
-        the left. Costs (stride − 1) / stride more forward recomputation. Power of two; 1 by default.
-        Stride 2 on an H100 (session 26, B=8 T=2048): adjoint summaries 425 → 268 µs, gradients
-        1080 → 1207 µs, train step −2 ms (2%); GPU-tested. It stays off until timed on the H200, whose
-        faster HBM shrinks the first gain but not the second (benchmarks/notes_selective_scan.md).
-        Stride 4 spills 672 B (triton_inspect.py).
+        the left. Costs (stride − 1) / stride more forward recomputation. Power of two; 2 by default
+        (since 2026-12-06). Stride 2 on an H100 at B=8 T=2048: adjoint summaries 425 → 267 µs,
+        gradients 1080 → 1205 µs (kernel sum −31 µs), train step −2.0 ms in three A/B pairs over two
+        sessions (88.8 → 86.8 ms this session); GPU-tested. Not yet timed on an H200, whose faster
+        HBM shrinks the first gain (benchmarks/notes_selective_scan.md). Stride 4 spills 672 B
+        (triton_inspect.py). Set 1 for the previous behaviour (chunks need only be multiples of
+        bwd_sub_chunk then).
       f32_state_rows: the kernels read B and C converted to float32 instead of unpacking bf16 / f16
         B and C rows in every step of every kernel. Bit-identical. Off: fewer instructions, but the
         chunk-outputs kernel ran slower with it on the H200 (241 -> 297 us; gradients 1054 -> 1037).
@@ -112,7 +114,7 @@ class ScanBlockConfig:
     fast_math: bool = True
     fused_multiply_add: bool = True
     f32_state_rows: bool = False
-    bwd_adjoint_stride: int = 1
+    bwd_adjoint_stride: int = 2
     fwd_parallel: bool = False
     parallel_num_warps: int = 4
     fwd_mosaic: bool = False

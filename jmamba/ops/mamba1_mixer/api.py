@@ -6,9 +6,10 @@
     y  = selective_scan(u, delta, A, B, C, D, z, delta_bias = dt_bias, softplus)
 
 It is the unfused mixer's composition, bit for bit in the forward. The "pallas" implementation is
-one `custom_vjp` whose backward recomputes c, u and delta from x instead of saving them (activation
-memory near the official fused path's); "reference" and "xla" are the plain composition with the
-scan's reference / xla implementation, differentiated by autodiff.
+one `custom_vjp` that keeps u, delta and the x projection for its backward (the default tuning), or,
+with `SelectiveScanTuning(mixer_residuals="inputs")`, recomputes c, u and delta from x instead of
+saving them (activation memory near the official fused path's); "reference" and "xla" are the plain
+composition with the scan's reference / xla implementation, differentiated by autodiff.
 
 Implementation contract (what "reference", "xla" and "pallas" register with `dispatch`):
 

@@ -8,11 +8,11 @@ reading x in place from in_proj's packed [Bt, T, 2E] output when the op is calle
 packed array too: `z_channel_offset`).
 Saved for the backward: the op's inputs (x or the packed xz, z, weights, states, reset) and the scan's
 chunk-start states and δ sums ([Bt, T/chunk, ...], nothing per position). The conv output, u, delta,
-B and C are **not** saved by default: the backward recomputes u with the conv kernel and delta, B, C with
-the two matmuls, which keeps a layer's activation memory near the official fused path's. With the
-tuning `mixer_residuals="activations"` (`SelectiveScanTuning`) they are kept from the forward instead
-(u and delta [Bt, T, E], the x projection [Bt, T, R + 2N]) and the backward skips that recomputation:
-the same values (the recomputation is deterministic), one conv launch and two matmuls fewer per layer.
+B and C are kept by default too (the tuning `SelectiveScanTuning.mixer_residuals="activations"`: u and
+delta [Bt, T, E], the x projection [Bt, T, R + 2N]). With `mixer_residuals="inputs"` they are **not**
+saved: the backward recomputes u with the conv kernel and delta, B, C with the two matmuls, which keeps
+a layer's activation memory near the official fused path's. The values are the same either way (the
+recomputation is deterministic); keeping them saves one conv launch and two matmuls per layer.
 Backward: the recomputation, the scan's backward kernels from the saved chunk states, the projections'
 transpose (matmuls), then one conv kernel (`conv_silu_backward`) that recomputes c, forms dc from
 both cotangents of u, and writes dx (into the packed [Bt, T, 2E] cotangent beside dz), the carried
@@ -37,6 +37,7 @@ from jmamba.core.dtypes import accum_dtype
 from jmamba.ops.mamba1_mixer.common import conv_new_state, new_state_keep, scan_operands
 from jmamba.ops.pallas_platform import interpret_mode
 from jmamba.ops.selective_scan import pallas as scan_pallas
+from jmamba.ops.selective_scan.common import SelectiveScanTuning
 
 
 def supported(*, platform, x, A, **call):
@@ -50,7 +51,7 @@ def mamba1_mixer_core_pallas(x, z, conv_kernel, conv_bias, x_proj_kernel, dt_pro
     static = (tuning and tuning.pallas_config, interpret_mode())
     k_size = conv_kernel.shape[0]
     if x.shape[1] >= k_size - 1:
-        keep = tuning is not None and tuning.mixer_residuals == "activations"
+        keep = (tuning or SelectiveScanTuning()).mixer_residuals == "activations"
         conv_config = _conv_config(static[1], tuning and tuning.conv_config)
         return _core_conv_kernel(static + (xz_packed, keep, conv_config), x, z, conv_kernel, conv_bias,
                                  x_proj_kernel,

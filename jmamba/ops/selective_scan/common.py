@@ -37,11 +37,14 @@ class SelectiveScanTuning:
         (None: their default).
       mixer_residuals: what the "pallas" implementation of `mamba1_mixer_core` keeps for its backward
         (speed against memory; the values and cotangents are bit-identical either way):
-        "inputs" (default): the op's inputs only; the backward recomputes the conv output u, delta and
-          B, C (one conv kernel launch and the two projection matmuls per layer).
-        "activations": also u and delta ([Bt, T, E] each, in the compute dtype) and the x projection
-          (Δin | B | C, [Bt, T, R + 2N]); the backward skips that recomputation. At the 130m-class
-          benchmark shape (B=8, T=2048, E=1536, bf16) that is ~103 MB more per layer (~2.4 GB for 24).
+        "activations" (default since 2026-12-06): the op's inputs and u and delta ([Bt, T, E] each, in
+          the compute dtype) and the x projection (Δin | B | C, [Bt, T, R + 2N]). At the 130m-class
+          benchmark shape (B=8, T=2048, E=1536, bf16) that is ~103 MB per layer more than "inputs":
+          peak 11.6 → 13.4 GiB for the 24-layer train step (PyTorch's fused path: 17.8 GiB), and
+          −1.7 ms per step on an H100 (benchmarks/notes_training_step.md, session 27).
+        "inputs": the op's inputs only; the backward recomputes the conv output u, delta and B, C
+          (one conv kernel launch and the two projection matmuls per layer): about what PyTorch's
+          fused `mamba_inner_fn` keeps. Use it when memory binds (long contexts).
         The "reference" and "xla" compositions are differentiated by autodiff and keep what it keeps.
       conv_config: a `pallas_kernels.causal_conv.ConvBlockConfig` for the conv kernels of the "pallas"
         `mamba1_mixer_core` (None: their default).
@@ -50,7 +53,7 @@ class SelectiveScanTuning:
     xla_chunk_size: Optional[int] = None
     xla_inner: Optional[str] = None
     pallas_config: Any = None
-    mixer_residuals: str = "inputs"
+    mixer_residuals: str = "activations"
     conv_config: Any = None
 
     def __post_init__(self):
