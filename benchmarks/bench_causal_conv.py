@@ -6,8 +6,8 @@ own custom_vjp), forward and backward, at a Mamba-1 130m layer's shape.
 
 Rows: "xla" (the conv of the op's short-window path: u, then its vjp with du = du_a + du_b, dx and
 dz joined into one [Bt, T, 2E] cotangent as the mixer needs), then one row per Pallas block config
-(`--configs block_t,block_e,num_warps[,f];...`; a fourth field `f` turns on fast_math and
-fused_multiply_add). Times are medians (min–max) of `--iters` jitted calls.
+(`--configs block_t,block_e,num_warps[,flags];...`; flags: `f` fast_math and fused_multiply_add on,
+`l` loop_rows on; without `f` both are off). Times are medians (min–max) of `--iters` jitted calls.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--configs", default="32,64,1;32,64,1,f;16,64,1,f;32,128,2,f;16,128,2,f;32,32,1,f;64,64,2,f")
+    p.add_argument("--configs", default="32,64,1,f;32,64,1,fl;64,64,1,fl;64,128,1,fl;128,128,1,fl;64,256,2,fl;"
+                                        "128,64,1,fl;32,64,1")
     a = p.parse_args(argv)
     shape = (1, 24, 8, 4) if a.tiny else (8, 2048, 1536, 4)
     interpret = jax.default_backend() == "cpu"
@@ -81,9 +82,12 @@ def main(argv=None):
     for spec in a.configs.split(";"):
         fields = spec.split(",")
         bt_, be_, w_ = (int(v) for v in fields[:3])
-        fast = fields[3:] == ["f"]
-        cfg = ConvBlockConfig(block_t=bt_, block_e=be_, num_warps=w_, fast_math=fast, fused_multiply_add=fast)
-        report(f"pallas t{bt_} e{be_} w{w_}{' fast fma' if fast else ''}", *pallas_pair(cfg, interpret))
+        flags = fields[3] if len(fields) > 3 else ""
+        fast, loop = "f" in flags, "l" in flags
+        cfg = ConvBlockConfig(block_t=bt_, block_e=be_, num_warps=w_, fast_math=fast, fused_multiply_add=fast,
+                              loop_rows=loop)
+        report(f"pallas t{bt_} e{be_} w{w_}{' fast fma' if fast else ''}{' loop' if loop else ''}",
+               *pallas_pair(cfg, interpret))
         if a.tiny:
             break
     return rows

@@ -42,7 +42,7 @@
 # e2e1x / e2e3x: the train step for each config of E2E1_CFGS / E2E3_CFGS ("default" or K=V,...; default: default;
 # suffixes, e.g. default+keep+fastconv: "+keep" adds --mixer-residuals activations, "+fastconv" the conv
 # kernels' fast_math and fused_multiply_add (both the defaults since 2026-12-06); "+recompute" and "+exactconv"
-# turn them off). conv_bench: bench_causal_conv.py's sweep (incl. fast + fma).
+# turn them off; "+loopconv" the conv kernels' loop over positions, ConvBlockConfig.loop_rows). conv_bench: bench_causal_conv.py's sweep (incl. fast + fma).
 # m3_profx: the Mamba-3 op's per-kernel profile (per-head angles) for each of M3_CFGS at each of M3_SHAPES.
 # m1_keep_tests: the mixer core's kept-activation tests (mixer_residuals="activations") with the real kernels.
 # new_tests: the GPU tests of fast_rotation, the hardware cos/sin and bwd_adjoint_stride in one pytest process.
@@ -105,6 +105,7 @@ train_steps() {  # arch, configs ("default" or K=V,..., each with optional +keep
     case $cfg in *+fastconv*) extra="$extra --conv-config fast_math=True,fused_multiply_add=True" ;; esac
     case $cfg in *+recompute*) extra="$extra --mixer-residuals inputs" ;; esac     # the defaults before 2026-12-06
     case $cfg in *+exactconv*) extra="$extra --conv-config fast_math=False,fused_multiply_add=False" ;; esac
+    case $cfg in *+loopconv*) extra="$extra --conv-config loop_rows=True" ;; esac
     cfg=${cfg%%+*}; [ "$cfg" = default ] && cfg=""
     run e2e_${arch}_$tag 130 python3 benchmarks/bench_train_step.py --arch $arch --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze $extra ${cfg:+--scan-config $cfg} ; done
 }

@@ -61,11 +61,18 @@ CASES = [
     # the exact sigmoid and separate multiply and add (the defaults are the fast forms)
     ((2, 37, 8, 4), jnp.float32, True, True, ConvBlockConfig(block_t=8, block_e=4, fast_math=False,
                                                              fused_multiply_add=False), 2e-6),
+    # loop_rows: the kernels as a loop over positions (rows_loop.py)
+    ((2, 37, 8, 4), jnp.float32, True, True, ConvBlockConfig(block_t=8, block_e=4, loop_rows=True), 2e-6),
+    ((3, 16, 12, 3), jnp.bfloat16, True, True, ConvBlockConfig(block_t=4, block_e=8, loop_rows=True), 1e-2),
+    ((1, 5, 4, 4), jnp.float16, False, True, ConvBlockConfig(block_t=4, block_e=2, loop_rows=True), 2e-3),
+    ((2, 9, 6, 1), jnp.float32, True, True, ConvBlockConfig(block_t=4, block_e=2, loop_rows=True), 2e-6),
+    ((1, 70, 16, 4), jnp.float32, False, False, ConvBlockConfig(block_t=32, loop_rows=True), 2e-6),
 ]
 
 
 @pytest.mark.parametrize("shape,dtype,packed,reset,config,tol", CASES,
-                         ids=["f32-packed-resets", "bf16-K3", "f16-short", "f32-K1", "bf16-defaults", "f32-exact"])
+                         ids=["f32-packed-resets", "bf16-K3", "f16-short", "f32-K1", "bf16-defaults", "f32-exact", "loop-f32-packed-resets",
+                              "loop-bf16-K3", "loop-f16-short", "loop-f32-K1", "loop-f32-block32"])
 def test_values_and_every_cotangent_match_the_xla_conv(shape, dtype, packed, reset, config, tol):
     bt, seqlen, e, k = shape
     src, state, kernel, bias, rs, du_a, du_b, dz = make(bt, seqlen, e, k, dtype, packed=packed, reset=reset)
@@ -108,25 +115,28 @@ def test_dz_must_come_with_a_packed_source_and_d_new_with_the_state_shape():
         conv_silu_backward(src, state, kernel, bias, None, du_a, du_b, None, state[:, :2], interpret=True)
 
 
+@pytest.mark.parametrize("loop_rows", [False, True], ids=["rows-loaded", "rows-loop"])
 @pytest.mark.parametrize("seqlen", [34, 33, 40])
-def test_the_new_state_cotangent_lands_on_the_last_rows_across_a_block_boundary(seqlen):
+def test_the_new_state_cotangent_lands_on_the_last_rows_across_a_block_boundary(seqlen, loop_rows):
     """T-(K-1) .. T-1 can straddle two blocks (T = 33, 34 with block_t 32) or end one (T = 40, 8)."""
     src, state, kernel, bias, rs, du_a, du_b, dz = make(1, seqlen, 4, 4, jnp.float32, packed=True, reset=False)
     d_new = jnp.asarray(np.random.default_rng(7).normal(size=state.shape), jnp.float32)
-    cfg = ConvBlockConfig(block_t=32 if seqlen < 40 else 8, block_e=4)
+    cfg = ConvBlockConfig(block_t=32 if seqlen < 40 else 8, block_e=4, loop_rows=loop_rows)
     got = conv_silu_backward(src, state, kernel, bias, None, du_a, du_b, dz, d_new, config=cfg, interpret=True)
     _, want = reference(src, state, kernel, bias, None, du_a + du_b, d_new)
     assert_close("dx", got[0][..., :4], want[0], 2e-6)
 
 
-def test_kernels_lower_to_triton_for_h200():
+@pytest.mark.parametrize("config", [None, ConvBlockConfig(loop_rows=True)], ids=["rows-loaded", "rows-loop"])
+def test_kernels_lower_to_triton_for_h200(config):
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
     s = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
 
     def f(src, st, w, b, reset, g1, g2, dz):
-        return conv_silu_forward(src, st, w, b, reset), conv_silu_backward(src, st, w, b, reset, g1, g2, dz)
+        return (conv_silu_forward(src, st, w, b, reset, config=config),
+                conv_silu_backward(src, st, w, b, reset, g1, g2, dz, config=config))
 
     device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
@@ -178,6 +188,7 @@ def test_conv_config_flags_must_be_bools():
 
 FAST_CONV = ConvBlockConfig(fast_math=True, fused_multiply_add=True)       # the default
 EXACT_CONV = ConvBlockConfig(fast_math=False, fused_multiply_add=False)
+LOOP_CONV = ConvBlockConfig(loop_rows=True)
 
 
 @pytest.mark.gpu
@@ -187,7 +198,11 @@ EXACT_CONV = ConvBlockConfig(fast_math=False, fused_multiply_add=False)
     ((3, 300, 40, 3), jnp.float16, True, True, None, 3e-3),
     ((8, 2048, 1536, 4), jnp.bfloat16, True, False, FAST_CONV, 1e-2),
     ((2, 999, 96, 4), jnp.float32, False, True, FAST_CONV, 2e-5),
-], ids=["perf-shape-packed-exact", "f32-odd-resets-exact", "f16-K3", "perf-shape-packed-fast-fma", "f32-odd-resets-fast-fma"])
+    ((8, 2048, 1536, 4), jnp.bfloat16, True, False, LOOP_CONV, 1e-2),
+    ((2, 999, 96, 4), jnp.float32, False, True, LOOP_CONV, 2e-5),
+    ((3, 300, 40, 3), jnp.float16, True, True, LOOP_CONV, 3e-3),
+], ids=["perf-shape-packed-exact", "f32-odd-resets-exact", "f16-K3", "perf-shape-packed-fast-fma", "f32-odd-resets-fast-fma",
+        "perf-shape-packed-loop", "f32-odd-resets-loop", "f16-K3-loop"])
 def test_gpu_values_and_cotangents_match_the_cpu_reference(shape, dtype, packed, reset, config, tol):
     """On the H200, against the XLA conv run on the CPU (XLA:GPU fuses with excess precision)."""
     bt, seqlen, e, k = shape

@@ -27,20 +27,24 @@ class ConvBlockConfig:
     instructions per element (benchmarks/triton_inspect.py conv), instruction-bound well above its
     ~40 µs byte floor at B=8 T=2048; with both, 3240 instead of 5216 instructions per program
     (forward 1096 instead of 2256), and on an H100 the op's backward 287 → 263 µs per call
-    (bench_causal_conv.py), the train step −1.1 ms (benchmarks/notes_training_step.md, session 27)."""
+    (bench_causal_conv.py), the train step −1.1 ms (benchmarks/notes_training_step.md, session 27).
+    loop_rows: the kernels walk the block's positions in a loop carrying a window of K-1 rows
+      (rows_loop.py) instead of loading every row of the block first (kernels.py): far fewer
+      registers per program, the same values. Off until timed on the GPU."""
 
     block_t: int = 32
     block_e: int = 64
     num_warps: int = 1
     fast_math: bool = True
     fused_multiply_add: bool = True
+    loop_rows: bool = False
 
     def validate(self) -> "ConvBlockConfig":
         for name in ("block_t", "block_e", "num_warps"):
             v = getattr(self, name)
             if not is_power_of_2(v):
                 raise ValueError(f"ConvBlockConfig.{name} must be a positive power of two, got {v!r}")
-        for name in ("fast_math", "fused_multiply_add"):
+        for name in ("fast_math", "fused_multiply_add", "loop_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ConvBlockConfig.{name} must be a bool, got {getattr(self, name)!r}")
         return self

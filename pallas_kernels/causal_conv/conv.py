@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.causal_conv import kernels
+from pallas_kernels.causal_conv import kernels, rows_loop
 from pallas_kernels.causal_conv.config import DEFAULT_CONV_CONFIG, ConvBlockConfig
 from pallas_kernels.common.dtypes import F32, I32
 from pallas_kernels.common.launch import run_kernel
@@ -38,6 +38,7 @@ class _Tiling:
     def __init__(self, src, kernel, config: ConvBlockConfig | None, interpret: bool):
         cfg = (config or DEFAULT_CONV_CONFIG).validate()
         self.km = KernelMath(fast=cfg.fast_math, fused=cfg.fused_multiply_add, gpu=not interpret)
+        self.bodies = rows_loop if cfg.loop_rows else kernels     # forward_body / backward_body
         self.bt, self.seqlen, self.channels = src.shape
         self.k_size, self.e = kernel.shape
         self.halo = next_power_of_2(max(self.k_size - 1, 1))
@@ -123,7 +124,7 @@ def conv_silu_forward(src, conv_state, kernel, bias, reset, *, config=None, inte
     inputs = [("x", src_p, t.rows()), ("past", src_p, t.past()), ("state", state, t.per_batch()),
               ("w", w, t.weights()), ("bias", b, t.channel_vector()), ("dist", dist, t.dist())]
     out = run_kernel(
-        functools.partial(kernels.forward_body, k_size=t.k_size, halo=t.halo, block_t=t.block_t,
+        functools.partial(t.bodies.forward_body, k_size=t.k_size, halo=t.halo, block_t=t.block_t,
                           has_reset=reset is not None, km=t.km),
         grid=t.grid(t.n_e), inputs=inputs,
         outputs=[("u", jax.ShapeDtypeStruct((t.bt, t.t_pad, t.e), src.dtype), t.out_rows())],
@@ -170,7 +171,7 @@ def conv_silu_backward(src, conv_state, kernel, bias, reset, du_a, du_b, dz, d_n
                ("db", jax.ShapeDtypeStruct((t.bt, t.n_t, t.e), F32), t.partial_vector()),
                ("d_state", jax.ShapeDtypeStruct((t.bt, t.halo, t.e), F32), t.per_batch())]
     out = run_kernel(
-        functools.partial(kernels.backward_body, k_size=t.k_size, halo=t.halo, block_t=t.block_t,
+        functools.partial(t.bodies.backward_body, k_size=t.k_size, halo=t.halo, block_t=t.block_t,
                           seqlen=t.seqlen, has_reset=reset is not None, conv_blocks=t.n_e, km=t.km),
         grid=t.grid(channel_blocks), inputs=inputs, outputs=outputs,
         name="causal_conv_silu_backward", num_warps=t.num_warps, num_stages=1, interpret=interpret)
