@@ -14,7 +14,7 @@ SCRIPTS = sorted(glob.glob(os.path.join(HERE, "..", "benchmarks", "bench_*.py"))
                  + glob.glob(os.path.join(HERE, "..", "benchmarks", "soak_*.py")))
 # what each script's tiny run must have timed: {row key: values that must all appear}
 EXPECTED = {
-    "bench_causal_conv.py": ("variant", {"xla", "pallas t32 e64 w1"}),
+    "bench_causal_conv.py": ("variant", {"xla", "pallas t32 e64 w1 fast fma"}),
     "bench_dispatch.py": ("variant", {"fwd+bwd, cotangent closed over", "trivial: one scalar add"}),
     "bench_decode.py": ("impl", {"jmamba", "jmamba-stream"}),
     "bench_fused_adamw.py": ("variant", {"optax.adamw", "fused xla"}),
