@@ -41,7 +41,7 @@ class SelectiveScanTuning:
           the compute dtype) and the x projection (Δin | B | C, [Bt, T, R + 2N]). At the 130m-class
           benchmark shape (B=8, T=2048, E=1536, bf16) that is ~103 MB per layer more than "inputs":
           peak 11.6 → 13.4 GiB for the 24-layer train step (PyTorch's fused path: 17.8 GiB), and
-          −1.7 ms per step on an H100 (benchmarks/notes_training_step.md, session 27).
+          about −1.7 ms per step on an H100 (benchmarks/notes_training_step.md, session 27).
         "inputs": the op's inputs only; the backward recomputes the conv output u, delta and B, C
           (one conv kernel launch and the two projection matmuls per layer): about what PyTorch's
           fused `mamba_inner_fn` keeps. Use it when memory binds (long contexts).
