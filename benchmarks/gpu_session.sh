@@ -44,6 +44,8 @@
 # kernels' fast_math and fused_multiply_add (both the defaults since 2026-12-06); "+recompute" and "+exactconv"
 # turn them off; "+loopconv" the conv kernels' loop over positions, ConvBlockConfig.loop_rows). conv_bench: bench_causal_conv.py's sweep (incl. fast + fma).
 # m3_profx: the Mamba-3 op's per-kernel profile (per-head angles) for each of M3_CFGS at each of M3_SHAPES.
+# defaults_ab: the train steps with the defaults of 2026-12-06 against the ones before (Mamba-1: stride 1,
+# recomputed activations, exact conv math; Mamba-3: libdevice rotation) and with the conv kernels' loop_rows.
 # m1_keep_tests: the mixer core's kept-activation tests (mixer_residuals="activations") with the real kernels.
 # new_tests: the GPU tests of fast_rotation, the hardware cos/sin and bwd_adjoint_stride in one pytest process.
 # m1_prefetch: the Mamba-1 backward rows loaded a sub-chunk ahead, the default since 2026-12-04 (its GPU
@@ -153,6 +155,8 @@ for s in $stages; do case $s in
                run m3_bench_fastrot 240 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b8t2048 --sweep --sweep-set fastrot ;;
   new_tests)   run gpu_tests_new 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_inline_ptx.py tests/test_mamba3_scan_pallas.py tests/test_selective_scan_pallas.py -k "fast_rotation or hardware or stride" -rA --durations=10 ;;
   e2e1x)       train_steps mamba1 ${E2E1_CFGS:-default} ;;
+  defaults_ab) train_steps mamba1 default bwd_adjoint_stride=1+recompute+exactconv default+loopconv
+               train_steps mamba3 default fast_rotation=False ;;
   conv_tests)  run gpu_tests_conv 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_causal_conv_pallas.py -rA ;;
   m1_keep_tests) run gpu_tests_m1_kept_activations 150 python3 -m pytest -q -p no:cacheprovider tests/test_mamba1_mixer_core.py -k "kept or checked or reaches" -rA ;;
   e2e3x)       train_steps mamba3 ${E2E3_CFGS:-default} ;;
