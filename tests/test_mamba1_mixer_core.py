@@ -155,6 +155,24 @@ def test_pallas_cotangents_without_an_initial_state_match_reference():
         assert_close(f"d{name}", got, want, 3e-5)
 
 
+def _xz_loss(args, e, reset, impl):
+    """(loss(xz, vals, state, packed, mode=None), xz, vals): a scalar of the op's outputs and both
+    states, with x and z as one [B, T, 2E] array passed packed or as its two halves, the other
+    arguments as `vals`, and (mode) the tuning's mixer_residuals; plus the arrays to call it with."""
+    present = tuple(n_ for n_ in ARG_NAMES if args[n_] is not None and n_ not in ("x", "z"))
+
+    def loss(xz, vals, st, packed, mode=None):
+        full = dict(args, **dict(zip(present, vals)))
+        full.update(x=xz, z=None) if packed else full.update(x=xz[..., :e], z=xz[..., e:])
+        with ops.tuning("selective_scan", **({"mixer_residuals": mode} if mode else {})):
+            y, s2 = mamba1_mixer_core(*(full[n_] for n_ in ARG_NAMES), initial_state=st, return_final_state=True,
+                                      reset=reset, implementation=impl, xz_packed=packed)
+        yf = y.astype(jnp.float32)
+        return jnp.sum(yf * jnp.cos(yf)) + 0.7 * jnp.sum(jnp.sin(s2.conv)) + jnp.sum(jnp.tanh(s2.ssm))
+
+    return loss, jnp.concatenate([args["x"], args["z"]], axis=-1), tuple(args[n_] for n_ in present)
+
+
 @pytest.mark.parametrize("impl,shape,dtype,options", [
     ("pallas", (2, 37, 32, 5, 4, 4), jnp.float32, dict(reset="positions")),
     ("pallas", (2, 2, 16, 4, 3, 4), jnp.float32, dict()),     # T < K-1: the Pallas op's XLA-conv path
@@ -165,18 +183,7 @@ def test_packed_xz_gives_the_values_and_cotangents_of_its_two_halves(impl, shape
     (dxz = [dx | dz]) equal to the unpacked call's, bit for bit."""
     bsz, seqlen, e, n, rank, k = shape
     args, state, reset = make_inputs(bsz, seqlen, e, n, rank, k, dtype, **options)
-    present = tuple(n_ for n_ in ARG_NAMES if args[n_] is not None and n_ not in ("x", "z"))
-
-    def loss(xz, vals, st, packed):
-        full = dict(args, **dict(zip(present, vals)))
-        full.update(x=xz, z=None) if packed else full.update(x=xz[..., :e], z=xz[..., e:])
-        y, s2 = mamba1_mixer_core(*(full[n_] for n_ in ARG_NAMES), initial_state=st, return_final_state=True,
-                                  reset=reset, implementation=impl, xz_packed=packed)
-        yf = y.astype(jnp.float32)
-        return jnp.sum(yf * jnp.cos(yf)) + 0.7 * jnp.sum(jnp.sin(s2.conv)) + jnp.sum(jnp.tanh(s2.ssm))
-
-    xz = jnp.concatenate([args["x"], args["z"]], axis=-1)
-    vals = tuple(args[n_] for n_ in present)
+    loss, xz, vals = _xz_loss(args, e, reset, impl)
     got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)(xz, vals, state, True)
     want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)(xz, vals, state, False)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -290,21 +297,9 @@ def test_pallas_kept_activations_give_the_same_values_and_cotangents_bit_for_bit
     both states and every cotangent (both initial states included) equal to the default's, bit for bit."""
     bsz, seqlen, e, n, rank, k = 2, 37, 16, 4, 3, 4
     args, state, reset = make_inputs(bsz, seqlen, e, n, rank, k, dtype, **options)
-    present = tuple(n_ for n_ in ARG_NAMES if args[n_] is not None and n_ not in ("x", "z"))
-
-    def loss(xz, vals, st, mode):
-        full = dict(args, **dict(zip(present, vals)))
-        full.update(x=xz, z=None) if packed else full.update(x=xz[..., :e], z=xz[..., e:])
-        with ops.tuning("selective_scan", mixer_residuals=mode):
-            y, s2 = mamba1_mixer_core(*(full[n_] for n_ in ARG_NAMES), initial_state=st, return_final_state=True,
-                                      reset=reset, implementation="pallas", xz_packed=packed)
-        yf = y.astype(jnp.float32)
-        return jnp.sum(yf * jnp.cos(yf)) + 0.7 * jnp.sum(jnp.sin(s2.conv)) + jnp.sum(jnp.tanh(s2.ssm))
-
-    xz = jnp.concatenate([args["x"], args["z"]], axis=-1)
-    vals = tuple(args[n_] for n_ in present)
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)
-    got, want = grad(xz, vals, state, "activations"), grad(xz, vals, state, "inputs")
+    loss, xz, vals = _xz_loss(args, e, reset, "pallas")
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=(3, 4))
+    got, want = grad(xz, vals, state, packed, "activations"), grad(xz, vals, state, packed, "inputs")
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
@@ -492,18 +487,7 @@ def test_gpu_packed_xz_matches_its_two_halves_at_the_benchmark_width():
     from helpers import rel_err
     args, state, reset = make_inputs(2, 2048, 1536, 16, 48, 4, jnp.bfloat16, reset="positions")
     e = 1536
-    present = tuple(n_ for n_ in ARG_NAMES if args[n_] is not None and n_ not in ("x", "z"))
-
-    def loss(xz, vals, st, packed):
-        full = dict(args, **dict(zip(present, vals)))
-        full.update(x=xz, z=None) if packed else full.update(x=xz[..., :e], z=xz[..., e:])
-        y, s2 = mamba1_mixer_core(*(full[n_] for n_ in ARG_NAMES), initial_state=st, return_final_state=True,
-                                  reset=reset, implementation="pallas", xz_packed=packed)
-        yf = y.astype(jnp.float32)
-        return jnp.sum(yf * jnp.cos(yf)) + 0.7 * jnp.sum(jnp.sin(s2.conv)) + jnp.sum(jnp.tanh(s2.ssm))
-
-    xz = jnp.concatenate([args["x"], args["z"]], axis=-1)
-    vals = tuple(args[n_] for n_ in present)
+    loss, xz, vals = _xz_loss(args, e, reset, "pallas")
     run_ = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)
     for a, b in zip(jax.tree.leaves(run_(xz, vals, state, True)), jax.tree.leaves(run_(xz, vals, state, False))):
         assert rel_err(a, b) <= 1e-6, rel_err(a, b)

@@ -65,10 +65,12 @@ def forward_body(refs, *, k_size, halo, block_t, has_reset, km):
         refs["u"][i] = (c * km.sigmoid(c)).astype(refs["u"].dtype)
 
 
-def backward_body(refs, *, k_size, halo, block_t, seqlen, has_reset, conv_blocks, km):
+def backward_body(refs, *, k_size, halo, block_t, seqlen, has_reset, conv_blocks, km, conv_backward=None):
     """dx, the dw / db partials and (first block) dstate of the program's block; programs whose
-    channel block index is >= `conv_blocks` copy their block of dz into the packed cotangent."""
+    channel block index is >= `conv_blocks` copy their block of dz into the packed cotangent.
+    `conv_backward` does the conv part (default: this module's; rows_loop.py passes its loop)."""
     t, e = pl.program_id(1), pl.program_id(2)     # (read here: program_id inside pl.when does not interpret)
+    conv_backward = conv_backward or _conv_backward
 
     if "dz" in refs:
         @pl.when(e >= conv_blocks)
@@ -77,8 +79,23 @@ def backward_body(refs, *, k_size, halo, block_t, seqlen, has_reset, conv_blocks
 
     @pl.when(e < conv_blocks)
     def _():
-        _conv_backward(refs, t, k_size=k_size, halo=halo, block_t=block_t, seqlen=seqlen, has_reset=has_reset,
-                       km=km)
+        conv_backward(refs, t, k_size=k_size, halo=halo, block_t=block_t, seqlen=seqlen, has_reset=has_reset,
+                      km=km)
+
+
+def state_cotangent(refs, masked_at, w, zero, *, k_size, halo, km):
+    """The carried state's cotangent rows (first block only): state row s sits at position
+    p = s - (K-1) < 0, and tap k reads it from position p + j >= 0; `masked_at(r, j)` = m(r, j)·dc[r]."""
+    for row in range(halo):
+        s_idx = row - (halo - (k_size - 1))      # state row held in this (front-padded) row
+        acc = zero
+        if s_idx >= 0:
+            p = s_idx - (k_size - 1)            # its position (< 0)
+            for k in range(k_size):
+                j = k_size - 1 - k
+                if p + j >= 0:                  # p + j <= K-2 < block_t always
+                    acc = km.fma(w[k], masked_at(p + j, j), acc)
+        refs["d_state"][row] = acc
 
 
 def _conv_backward(refs, t, *, k_size, halo, block_t, seqlen, has_reset, km):
@@ -150,13 +167,4 @@ def _conv_backward(refs, t, *, k_size, halo, block_t, seqlen, has_reset, km):
 
     @pl.when(t == 0)
     def _():
-        for row in range(halo):
-            s_idx = row - (halo - (k_size - 1))      # state row held in this (front-padded) row
-            acc = jnp.zeros_like(bias)
-            if s_idx >= 0:
-                p = s_idx - (k_size - 1)            # its position (< 0)
-                for k in range(k_size):
-                    j = k_size - 1 - k
-                    if 0 <= p + j < block_t:
-                        acc = km.fma(w[k], masked(p + j, j), acc)
-            refs["d_state"][row] = acc
+        state_cotangent(refs, masked, w, jnp.zeros_like(bias), k_size=k_size, halo=halo, km=km)

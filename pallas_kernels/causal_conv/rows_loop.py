@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.causal_conv import kernels
 from pallas_kernels.common.dtypes import F32, I32
 
 
@@ -62,19 +63,9 @@ def forward_body(refs, *, k_size, halo, block_t, has_reset, km):
     jax.lax.fori_loop(0, block_t, step, (window, refs["x"][0].astype(F32)))
 
 
-def backward_body(refs, *, k_size, halo, block_t, seqlen, has_reset, conv_blocks, km):
+def backward_body(refs, **kw):
     """kernels.backward_body with the conv part as a loop over positions."""
-    t, e = pl.program_id(1), pl.program_id(2)
-
-    if "dz" in refs:
-        @pl.when(e >= conv_blocks)
-        def _():
-            refs["dx"][...] = refs["dz"][...].astype(refs["dx"].dtype)
-
-    @pl.when(e < conv_blocks)
-    def _():
-        _conv_backward(refs, t, k_size=k_size, halo=halo, block_t=block_t, seqlen=seqlen, has_reset=has_reset,
-                       km=km)
+    kernels.backward_body(refs, conv_backward=_conv_backward, **kw)
 
 
 def _conv_backward(refs, t, *, k_size, halo, block_t, seqlen, has_reset, km):
@@ -163,20 +154,5 @@ def _conv_backward(refs, t, *, k_size, halo, block_t, seqlen, has_reset, km):
 
     @pl.when(first)
     def _():
-        _state_cotangent(refs, head, w, zero, k_size, halo, has_reset, masked, km)
-
-
-def _state_cotangent(refs, head, w, zero, k_size, halo, has_reset, masked, km):
-    """d_state rows of the first block from dc[0 .. K-2] (kernels._conv_backward's last step): the
-    state row s sits at position p = s - (K-1) < 0 and tap k reads it from position p + j >= 0."""
-    for row in range(halo):
-        s_idx = row - (halo - (k_size - 1))      # state row held in this (front-padded) row
-        acc = zero
-        if s_idx >= 0:
-            p = s_idx - (k_size - 1)
-            for k in range(k_size):
-                j = k_size - 1 - k
-                if p + j >= 0:
-                    d = refs["dist"][p + j] if has_reset else None
-                    acc = km.fma(w[k], masked(head[p + j], d, j), acc)
-        refs["d_state"][row] = acc
+        kernels.state_cotangent(refs, lambda r, j: masked(head[r], refs["dist"][r] if has_reset else None, j),
+                                w, zero, k_size=k_size, halo=halo, km=km)

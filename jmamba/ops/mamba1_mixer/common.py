@@ -225,9 +225,17 @@ def scan_operands(x, conv_state, conv_kernel, conv_bias, x_proj_kernel, dt_proj_
 def projections(u, x_proj_kernel, dt_proj_kernel):
     """(delta [Bt, T, E], B, C [Bt, T, 1, N]) from u [Bt, T, E]: Δin, B, C = split(u · W_x), delta =
     Δin · W_dt, both matmuls in u.dtype."""
-    rank = dt_proj_kernel.shape[0]
-    n = (x_proj_kernel.shape[1] - rank) // 2
+    x_dbl, delta = x_projection_and_delta(u, x_proj_kernel, dt_proj_kernel)
+    return (delta,) + b_and_c(x_dbl, dt_proj_kernel.shape[0])
+
+
+def x_projection_and_delta(u, x_proj_kernel, dt_proj_kernel):
+    """(x_dbl = u · W_x [Bt, T, R + 2N] = Δin | B | C, delta = Δin · W_dt [Bt, T, E]), matmuls in u.dtype."""
     x_dbl = jnp.dot(u, x_proj_kernel.astype(u.dtype))
-    dt_in, Bm, Cm = x_dbl[..., :rank], x_dbl[..., rank:rank + n], x_dbl[..., rank + n:]
-    delta = jnp.dot(dt_in, dt_proj_kernel.astype(u.dtype))
-    return delta, Bm[..., None, :], Cm[..., None, :]
+    return x_dbl, jnp.dot(x_dbl[..., :dt_proj_kernel.shape[0]], dt_proj_kernel.astype(u.dtype))
+
+
+def b_and_c(x_dbl, rank):
+    """(B, C [Bt, T, 1, N]) from the x projection x_dbl = Δin | B | C (Δin of width `rank`)."""
+    n = (x_dbl.shape[-1] - rank) // 2
+    return x_dbl[..., None, rank:rank + n], x_dbl[..., None, rank + n:]

@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from jmamba.core.dtypes import accum_dtype
-from jmamba.ops.mamba1_mixer.common import conv_new_state, new_state_keep, scan_operands
+from jmamba.ops.mamba1_mixer.common import (b_and_c, conv_new_state, new_state_keep, scan_operands,
+                                            x_projection_and_delta)
 from jmamba.ops.pallas_platform import interpret_mode
 from jmamba.ops.selective_scan import pallas as scan_pallas
 from jmamba.ops.selective_scan.common import SelectiveScanTuning
@@ -109,8 +110,8 @@ def _core_conv_kernel_fwd(static, src, z, conv_kernel, conv_bias, x_proj_kernel,
     x, gate, gate_offset = _split(src, z, conv_kernel, packed)
     u = _conv_kernels().conv_silu_forward(src, conv_state, conv_kernel, conv_bias, reset,
                                           config=conv_config, interpret=interpret)
-    x_dbl, delta = _projections(u, x_proj_kernel, dt_proj_kernel)
-    Bm, Cm = _b_c(x_dbl, dt_proj_kernel.shape[0])
+    x_dbl, delta = x_projection_and_delta(u, x_proj_kernel, dt_proj_kernel)
+    Bm, Cm = b_and_c(x_dbl, dt_proj_kernel.shape[0])
     y, h_last, scan_residuals = _kernels().selective_scan_forward(
         u, delta, A, Bm, Cm, D, gate, dt_bias, ssm_state, reset, delta_softplus=True, config=config,
         interpret=interpret, z_channel_offset=gate_offset)
@@ -120,21 +121,8 @@ def _core_conv_kernel_fwd(static, src, z, conv_kernel, conv_bias, x_proj_kernel,
     return (y, new_conv, h_last), residuals
 
 
-def _projections(u, x_proj_kernel, dt_proj_kernel):
-    """(x_dbl = u · W_x [Bt, T, R + 2N], delta = Δin · W_dt [Bt, T, E]), both matmuls in u.dtype: the
-    ops of `common.projections`, with the x projection returned whole."""
-    x_dbl = jnp.dot(u, x_proj_kernel.astype(u.dtype))
-    return x_dbl, jnp.dot(x_dbl[..., :dt_proj_kernel.shape[0]], dt_proj_kernel.astype(u.dtype))
-
-
-def _b_c(x_dbl, rank):
-    """(B, C [Bt, T, 1, N]) from the x projection (Δin | B | C)."""
-    n = (x_dbl.shape[-1] - rank) // 2
-    return x_dbl[..., None, rank:rank + n], x_dbl[..., None, rank + n:]
-
-
 def _projections_vjp(u, x_dbl, x_proj_kernel, dt_proj_kernel, d_delta, dB, dC):
-    """Cotangents (du, dW_x, dW_dt) of `_projections` from the kept u and x_dbl: the transposes that
+    """Cotangents (du, dW_x, dW_dt) of `x_projection_and_delta` from u and x_dbl: the transposes that
     autodiff forms (the forward products themselves are not recomputed: they are dead code here)."""
     rank = dt_proj_kernel.shape[0]
     _, delta_vjp = jax.vjp(lambda a, w: jnp.dot(a, w.astype(a.dtype)), x_dbl[..., :rank], dt_proj_kernel)
@@ -157,10 +145,10 @@ def _core_conv_kernel_bwd(static, residuals, cotangents):
     if kept is None:     # "inputs": recompute u, then x_dbl and delta, exactly as the forward did
         u = conv.conv_silu_forward(src, conv_state, conv_kernel, conv_bias, reset, config=conv_config,
                                    interpret=interpret)
-        x_dbl, delta = _projections(u, x_proj_kernel, dt_proj_kernel)
+        x_dbl, delta = x_projection_and_delta(u, x_proj_kernel, dt_proj_kernel)
     else:
         u, x_dbl, delta = kept
-    Bm, Cm = _b_c(x_dbl, dt_proj_kernel.shape[0])
+    Bm, Cm = b_and_c(x_dbl, dt_proj_kernel.shape[0])
     du, d_delta, dA, dB, dC, dD, dz, d_dt_bias, d_ssm = _kernels().selective_scan_backward(
         u, delta, A, Bm, Cm, D, gate, dt_bias, ssm_state, reset, scan_residuals, d_y, d_h_last,
         delta_softplus=True, config=config, interpret=interpret, z_channel_offset=gate_offset)
