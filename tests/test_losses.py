@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmamba.training.losses import next_token_loss, per_token_loss
+from jmamba.training.losses import log_sum_exp, next_token_loss, per_token_loss
 
 
 def numpy_cross_entropy(logits, targets):
@@ -46,6 +46,32 @@ def test_large_logits_stay_finite():
     grad = jax.grad(lambda x: per_token_loss(x, targets).sum())(logits)
     np.testing.assert_allclose(np.asarray(ce), numpy_cross_entropy(logits, np.asarray(targets))[0], rtol=1e-5)
     assert np.isfinite(np.asarray(grad)).all()
+
+
+@pytest.mark.parametrize("length", [1, 2, 37, 4099])
+def test_one_pass_log_sum_exp_matches_float64(length):
+    """Rows whose max comes first, last or in the middle, wide ranges (the running max rescales the
+    sum many times) and a row longer than a reduction block, against numpy's two-pass float64."""
+    rng = np.random.default_rng(length)
+    x = rng.normal(size=(6, length)) * np.array([1, 10, 100, 1e3, 1, 1])[:, None]
+    x[4] = np.sort(x[4])            # increasing: a new max at every element
+    x[5] = -np.sort(-x[5])          # decreasing: the max first
+    want = np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1)
+    got = jax.jit(log_sum_exp)(jnp.asarray(x, jnp.float32))
+    assert got.dtype == jnp.float32 and got.shape == (6,)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=2e-6)
+
+
+def test_one_pass_log_sum_exp_edge_rows():
+    """−inf entries add nothing (an all −inf row gives −inf, never NaN from −inf − −inf); a NaN or
+    +inf in the row gives a non-finite result."""
+    inf = np.inf
+    x = jnp.asarray([[-inf, -inf, -inf], [0.0, -inf, np.log(3.0)], [np.nan, 0.0, 1.0], [inf, 0.0, 1.0]],
+                    jnp.float32)
+    got = np.asarray(log_sum_exp(x))
+    assert got[0] == -inf
+    np.testing.assert_allclose(got[1], np.log(4.0), rtol=1e-6)
+    assert np.isnan(got[2]) and not np.isfinite(got[3])
 
 
 def test_out_of_range_targets_give_nan_loss():
