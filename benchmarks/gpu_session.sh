@@ -46,6 +46,9 @@
 # m3_profx: the Mamba-3 op's per-kernel profile (per-head angles) for each of M3_CFGS at each of M3_SHAPES.
 # defaults_ab: the train steps with the defaults of 2026-12-06 against the ones before (Mamba-1: stride 1,
 # recomputed activations, exact conv math; Mamba-3: libdevice rotation) and with the conv kernels' loop_rows.
+# norm_tests / norm_bench / norm_ab: the add + RMSNorm kernels (jmamba.ops.add_rms_norm): their GPU tests,
+# bench_rms_norm.py's sweep, the train steps of both models with the kernels (default) and with the XLA
+# composition ("+xlanorm" suffix: --norm-impl xla).
 # m1_keep_tests: the mixer core's kept-activation tests (mixer_residuals="activations") with the real kernels.
 # new_tests: the GPU tests of fast_rotation, the hardware cos/sin and bwd_adjoint_stride in one pytest process.
 # m1_prefetch: the Mamba-1 backward rows loaded a sub-chunk ahead, the default since 2026-12-04 (its GPU
@@ -108,6 +111,7 @@ train_steps() {  # arch, configs ("default" or K=V,..., each with optional +keep
     case $cfg in *+recompute*) extra="$extra --mixer-residuals inputs" ;; esac     # the defaults before 2026-12-06
     case $cfg in *+exactconv*) extra="$extra --conv-config fast_math=False,fused_multiply_add=False" ;; esac
     case $cfg in *+loopconv*) extra="$extra --conv-config loop_rows=True" ;; esac
+    case $cfg in *+xlanorm*) extra="$extra --norm-impl xla" ;; esac
     cfg=${cfg%%+*}; [ "$cfg" = default ] && cfg=""
     run e2e_${arch}_$tag 130 python3 benchmarks/bench_train_step.py --arch $arch --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze $extra ${cfg:+--scan-config $cfg} ; done
 }
@@ -157,6 +161,9 @@ for s in $stages; do case $s in
   e2e1x)       train_steps mamba1 ${E2E1_CFGS:-default} ;;
   defaults_ab) train_steps mamba1 default bwd_adjoint_stride=1+recompute+exactconv default+loopconv
                train_steps mamba3 default fast_rotation=False ;;
+  norm_tests)  run gpu_tests_norm 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_add_rms_norm.py -rA ;;
+  norm_bench)  run rms_norm_bench 150 python3 benchmarks/bench_rms_norm.py ;;
+  norm_ab)     train_steps mamba1 default default+xlanorm ; train_steps mamba3 default default+xlanorm ;;
   conv_tests)  run gpu_tests_conv 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_causal_conv_pallas.py -rA ;;
   m1_keep_tests) run gpu_tests_m1_kept_activations 150 python3 -m pytest -q -p no:cacheprovider tests/test_mamba1_mixer_core.py -k "kept or checked or reaches" -rA ;;
   e2e3x)       train_steps mamba3 ${E2E3_CFGS:-default} ;;

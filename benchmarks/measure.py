@@ -31,15 +31,18 @@ def rel(a, b):
 def scan_config(text, arch="mamba1"):
     """The Pallas scan config of `arch` from "field=value,...": a
     `pallas_kernels.selective_scan.ScanBlockConfig` (mamba1), a `pallas_kernels.mamba3_siso.Mamba3ScanConfig`
-    (mamba3) or a `pallas_kernels.causal_conv.ConvBlockConfig` (conv); values True / False / None, ints, or else strings."""
+    (mamba3), a `pallas_kernels.causal_conv.ConvBlockConfig` (conv) or a
+    `pallas_kernels.rms_norm.NormBlockConfig` (norm); values True / False / None, ints, or else strings."""
     if arch == "mamba1":
         from pallas_kernels.selective_scan import ScanBlockConfig as config_type
     elif arch == "mamba3":
         from pallas_kernels.mamba3_siso import Mamba3ScanConfig as config_type
     elif arch == "conv":
         from pallas_kernels.causal_conv import ConvBlockConfig as config_type
+    elif arch == "norm":
+        from pallas_kernels.rms_norm import NormBlockConfig as config_type
     else:
-        raise ValueError(f"arch must be 'mamba1', 'mamba3' or 'conv', got {arch!r}")
+        raise ValueError(f"arch must be 'mamba1', 'mamba3', 'conv' or 'norm', got {arch!r}")
 
     def value(v):
         if v in ("True", "False", "None"):

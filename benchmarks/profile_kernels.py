@@ -138,6 +138,8 @@ CATEGORIES = (   # (category, substrings of XLA / Pallas kernel names), first ma
     ("selective-scan kernels", ("selective_scan",)),
     ("Mamba-3 kernels", ("mamba3",)),
     ("fused AdamW", ("adamw",)),
+    ("add + RMSNorm kernels", ("rms_norm",)),
+    ("causal-conv kernels", ("causal_conv",)),
     ("matmuls", ("gemm", "cublas", "cutlass", "nvjet", "xmma", "wgmma", "dot")),
     ("transposes", ("transpose",)),
     ("reductions", ("reduce",)),

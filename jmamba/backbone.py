@@ -7,7 +7,9 @@
 The mixer class is the only architecture-specific part; it must provide `__call__(x, state, *, reset)`,
 `step(x_t, state)` and `init_state(batch)`. The mixers see activations in the compute dtype of the
 `precision` ("f32" default, "bf16", "f16"; a `jmamba.Precision`); norms, residual and the output
-stay float32 (docs/numerics.md).
+stay float32 (docs/numerics.md). Without remat the stream's add and the next norm are one op
+(`jmamba.ops.add_rms_norm`: one kernel each way on a GPU instead of XLA's two to three passes over
+the float32 stream); with remat the blocks keep their own boundaries (a block's only saved input is h).
 
 Memory (`remat`): by default the backward pass keeps what autodiff saves for every layer. With
 `remat="layer"` each residual block is rematerialised (`nnx.remat`): only its input [Bt, T, D] is kept
@@ -133,13 +135,28 @@ class ResidualBackbone(nnx.Module):
             if truncate_bptt:
                 state = jax.lax.stop_gradient(state)
         reset = normalize_reset(reset, bsz, seqlen)
-        block = _block_fn(check_remat(remat), cdt)
+        remat = check_remat(remat)
         h = self._embed(x)
+        if remat is None:
+            return self._fused_stack(h, state, reset, cdt)
+        block = _block_fn(remat, cdt)
         new_state = []
         for layer, s in zip(self.layers, state):
             h, s = block(layer, h, s, reset)
             new_state.append(s)
         return self.norm_f(h, h.dtype), tuple(new_state)
+
+    def _fused_stack(self, h, state, reset, cdt):
+        """The blocks without remat: each norm also adds the previous block's output to the stream
+        (`RMSNorm.add_and_norm`, one op: h_l + out_{l-1} and the norm of the sum), the final norm
+        the last block's. The same values as `_residual_block` one block at a time."""
+        out, new_state = None, []
+        for layer, s in zip(self.layers, state):
+            y, h = layer.norm.add_and_norm(h, None, cdt) if out is None else layer.norm.add_and_norm(out, h, cdt)
+            out, s = layer.mixer(y, s, reset=reset)
+            new_state.append(s)
+        y, _ = self.norm_f.add_and_norm(h, None, h.dtype) if out is None else self.norm_f.add_and_norm(out, h, h.dtype)
+        return y, tuple(new_state)
 
     def step(self, x_t, state, *, reset=None, precision=None, **deprecated):
         """Single-token decode: x_t [Bt, input_dim] -> (y_t [Bt, d_model] float32, new_state).

@@ -141,9 +141,9 @@ def case_checkpoint():
 
 def case_pallas(fsdp=False):
     """The Pallas kernels (interpreted on CPU; the fused mixer core follows the selective_scan
-    preference) inside the sharded step: one kernel per device; with FSDP the op's weights are
-    gathered at its shard_map entry."""
-    with dispatch.prefer("selective_scan", "pallas"):
+    preference; the add + RMSNorm kernels too) inside the sharded step: one kernel per device; with
+    FSDP the ops' weights are gathered at their shard_map entry."""
+    with dispatch.prefer("selective_scan", "pallas"), dispatch.prefer("add_rms_norm", "pallas"):
         mesh = make_data_mesh()
         if "pallas" not in _SINGLE:   # the one-device run is shared by both cases (interpreted: slow)
             _SINGLE["pallas"] = run_fused("mamba1", None, False, steps=1, opt=CAPTURE)[0]
