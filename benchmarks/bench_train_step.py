@@ -64,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--norm-impl", default=None, choices=["xla", "pallas"],
                    help="the add + RMSNorm op's implementation (jmamba.ops.add_rms_norm; default: the "
                         "automatic choice, the kernels on a GPU)")
+    p.add_argument("--prefer", default=None, metavar="OP=IMPL,...",
+                   help="dispatch.prefer for other ops, e.g. log_sum_exp=xla (the cross entropy's normalizer)")
     p.add_argument("--norm-config", default=None, metavar="K=V,...",
                    help="the add + RMSNorm kernels' NormBlockConfig fields (e.g. block_rows=16,num_warps=8)")
     p.add_argument("--steady", type=int, default=0, metavar="K",
@@ -131,6 +133,9 @@ def scan_tuning(args):
                                                   **{k: v for k, v in fields.items() if v is not None}))
         if args.norm_impl:
             stack.enter_context(dispatch.prefer("add_rms_norm", args.norm_impl))
+        for pair in (args.prefer.split(",") if args.prefer else []):
+            op, impl = pair.split("=")
+            stack.enter_context(dispatch.prefer(op, impl))
         if args.norm_config:
             from benchmarks.measure import scan_config
             stack.enter_context(jmamba.ops.tuning("add_rms_norm", pallas_config=scan_config(args.norm_config, "norm")))

@@ -140,6 +140,7 @@ CATEGORIES = (   # (category, substrings of XLA / Pallas kernel names), first ma
     ("fused AdamW", ("adamw",)),
     ("add + RMSNorm kernels", ("rms_norm",)),
     ("causal-conv kernels", ("causal_conv",)),
+    ("log-sum-exp kernel", ("log_sum_exp",)),
     ("matmuls", ("gemm", "cublas", "cutlass", "nvjet", "xmma", "wgmma", "dot")),
     ("transposes", ("transpose",)),
     ("reductions", ("reduce",)),

@@ -10,13 +10,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jmamba.ops import log_sum_exp
+
 f32 = jnp.float32
 
 
 def per_token_loss(logits, targets):
     """[B, T] float32 cross entropy of the integer `targets` under `logits [B, T, V]`.
 
-    Computed in float32 whatever the logits' dtype (log-sum-exp with the row max subtracted), with a
+    Computed in float32 whatever the logits' dtype (`jmamba.ops.log_sum_exp`: one pass over the
+    logits, the row's running max subtracted), with a
     hand-written backward: d logits = (softmax − onehot(targets))·g formed in float32 and rounded once
     to the logits' dtype, in one pass over the logits (autodiff of the float32 formula wrote a
     [B, T, V] float32 softmax, scattered the one-hot into it and converted it back: 3 passes and
@@ -38,35 +41,11 @@ def _cross_entropy(logits, targets):
     return _cross_entropy_fwd(logits, targets)[0]
 
 
-def log_sum_exp(x):
-    """log Σ_v exp(x_v) over the last axis in float32, in one pass over x ([..., V] -> [...]).
-
-    One variadic reduction carries (running max m, Σ exp(x − m)) and rescales the sum when the max
-    grows, instead of a max pass and an exp-sum pass over the (bf16, [B, T, V]) logits. Two partial
-    pairs combine as (M, s_hi + s_lo·exp(m_lo − M)) with M = max(m_hi, m_lo): one exp per element,
-    finite rows exact up to float32 rounding of that order; an empty part (−inf, 0) adds nothing; a
-    NaN or +inf in the row gives a non-finite result (the training step's guard rejects the loss).
-    """
-    def combine(a, b):
-        (m1, s1), (m2, s2) = a, b
-        first = m1 >= m2
-        hi, lo = jnp.where(first, m1, m2), jnp.where(first, m2, m1)
-        s_hi, s_lo = jnp.where(first, s1, s2), jnp.where(first, s2, s1)
-        # equal maxima (also −inf with −inf, +inf with +inf) rescale by 1, never exp(nan)
-        return hi, s_hi + s_lo * jnp.exp(jnp.where(hi == lo, 0.0, lo - hi))
-
-    x = x.astype(f32)
-    init = (jnp.array(-jnp.inf, f32), jnp.array(0.0, f32))
-    m, s = jax.lax.reduce((x, jnp.ones_like(x)), init, combine, (x.ndim - 1,))
-    return m + jnp.log(s)
-
-
 def _cross_entropy_fwd(logits, targets):
-    x = logits.astype(f32)
-    lse = log_sum_exp(x)
-    vocab = x.shape[-1]
+    lse = log_sum_exp(logits)               # reads the logits in their own dtype, once
+    vocab = logits.shape[-1]
     inside = (targets >= 0) & (targets < vocab)
-    picked = jnp.take_along_axis(x, jnp.clip(targets, 0, vocab - 1)[..., None], axis=-1)[..., 0]
+    picked = jnp.take_along_axis(logits, jnp.clip(targets, 0, vocab - 1)[..., None], axis=-1)[..., 0].astype(f32)
     ce = jnp.where(inside, lse - picked, jnp.nan)
     return ce, (logits, targets, lse)
 

@@ -18,17 +18,14 @@ Implementation contract:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import numbers
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
-from jmamba.core.axes import DATA_AXIS, SEQ_AXIS
 from jmamba.core.validation import check_float, shape_of
 from jmamba.ops import dispatch
+from jmamba.ops.row_sharding import call_rows_sharded
 from jmamba.ops.settings import current_tuning, register_tuning
 from pallas_kernels.rms_norm import NormBlockConfig
 
@@ -84,27 +81,8 @@ def add_rms_norm(x, residual, weight, *, eps, out_dtype=None, implementation=Non
         raise TypeError(f"out_dtype must be a float dtype, got {out_dtype}")
     tuning = current_tuning(OP, tuning)
     impl = dispatch.choose(OP, implementation, x=x, residual=residual, weight=weight)
-    return _call_sharded(impl.fn, x, residual, weight, eps=float(eps), out_dtype=out_dtype, tuning=tuning)
-
-
-def _call_sharded(fn, x, residual, weight, **static):
-    """fn per device on its rows under a mesh with `data` (batch, axis 0) / `seq` (time, axis 1 of a
-    [B, T, D] x) axes; directly otherwise."""
-    mesh = jax.sharding.get_abstract_mesh()
-    sizes = {} if mesh.empty else dict(mesh.shape)
-    lead = [DATA_AXIS if DATA_AXIS in sizes and x.ndim >= 2 else None]
-    if x.ndim >= 3:
-        lead.append(SEQ_AXIS if SEQ_AXIS in sizes else None)
-    if not any(lead):
-        return fn(x, residual, weight, **static)
-    for axis, name in enumerate(lead):
-        if name and x.shape[axis] % sizes[name]:
-            raise ValueError(f"x's axis {axis} ({x.shape[axis]}) must be divisible by the mesh's "
-                             f"'{name}' axis ({sizes[name]})")
-    rows = P(*lead)
-    # check_vma=False: Pallas kernels build their outputs without varying-axis types (batch_sharding.py)
-    return jax.shard_map(functools.partial(fn, **static), in_specs=(rows, rows, P()), out_specs=(rows, rows),
-                         check_vma=False)(x, residual, weight)
+    return call_rows_sharded(impl.fn, (x, residual, weight), (True, True, False), eps=float(eps),
+                             out_dtype=out_dtype, tuning=tuning)
 
 
 def _load_reference():
