@@ -50,7 +50,7 @@
 # bench_rms_norm.py's sweep, the train steps of both models with the kernels (default) and with the XLA
 # composition ("+xlanorm" suffix: --norm-impl xla).
 # lse_tests / lse_ab: the one-pass log-sum-exp kernel (jmamba.ops.log_sum_exp): its GPU tests, the train steps
-# with it (default) and with the variadic XLA reduction ("+xlalse": --prefer log_sum_exp=xla).
+# with the kernel ("+pallaslse": --prefer log_sum_exp=pallas) and without (the default until then).
 # m1_keep_tests: the mixer core's kept-activation tests (mixer_residuals="activations") with the real kernels.
 # new_tests: the GPU tests of fast_rotation, the hardware cos/sin and bwd_adjoint_stride in one pytest process.
 # m1_prefetch: the Mamba-1 backward rows loaded a sub-chunk ahead, the default since 2026-12-04 (its GPU
@@ -114,7 +114,7 @@ train_steps() {  # arch, configs ("default" or K=V,..., each with optional +keep
     case $cfg in *+exactconv*) extra="$extra --conv-config fast_math=False,fused_multiply_add=False" ;; esac
     case $cfg in *+loopconv*) extra="$extra --conv-config loop_rows=True" ;; esac
     case $cfg in *+xlanorm*) extra="$extra --norm-impl xla" ;; esac
-    case $cfg in *+xlalse*) extra="$extra --prefer log_sum_exp=xla" ;; esac
+    case $cfg in *+pallaslse*) extra="$extra --prefer log_sum_exp=pallas" ;; esac
     cfg=${cfg%%+*}; [ "$cfg" = default ] && cfg=""
     run e2e_${arch}_$tag 130 python3 benchmarks/bench_train_step.py --arch $arch --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze $extra ${cfg:+--scan-config $cfg} ; done
 }
@@ -168,7 +168,7 @@ for s in $stages; do case $s in
   norm_bench)  run rms_norm_bench 150 python3 benchmarks/bench_rms_norm.py ;;
   norm_ab)     train_steps mamba1 default default+xlanorm ; train_steps mamba3 default default+xlanorm ;;
   lse_tests)   run gpu_tests_lse 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_log_sum_exp.py -rA ;;
-  lse_ab)      train_steps mamba1 default default+xlalse ; train_steps mamba3 default default+xlalse ;;
+  lse_ab)      train_steps mamba1 default default+pallaslse ; train_steps mamba3 default default+pallaslse ;;
   conv_tests)  run gpu_tests_conv 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_causal_conv_pallas.py -rA ;;
   m1_keep_tests) run gpu_tests_m1_kept_activations 150 python3 -m pytest -q -p no:cacheprovider tests/test_mamba1_mixer_core.py -k "kept or checked or reaches" -rA ;;
   e2e3x)       train_steps mamba3 ${E2E3_CFGS:-default} ;;
