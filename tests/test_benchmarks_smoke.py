@@ -75,3 +75,13 @@ def test_triton_inspect_captures_every_mamba1_kernel(tmp_path):
                             "selective_scan_adjoint_chunk_combine", "selective_scan_bwd_chunk_gradients"])
     text = (tmp_path / "selective_scan_bwd_chunk_gradients.ttir").read_text()
     assert "tt.func" in text and "fma.rn.f32" in text     # the inline-assembly fma reached the kernel
+
+
+def test_glue_inventory_counts_the_kernels_and_the_ops_around_them():
+    path = os.path.join(HERE, "..", "benchmarks", "glue_inventory.py")
+    spec = importlib.util.spec_from_file_location("glue_inventory", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = module.main(["mamba1", "--batch-size", "1", "--seq-len", "32", "--min-elements", "64"])
+    assert len(out["kernels"]) == 8 and "selective_scan_bwd_chunk_gradients" in out["kernels"]
+    assert out["others"].get("dot_general", 0) >= 4
