@@ -1,4 +1,4 @@
-"""`jmamba.ops.log_sum_exp`: the variadic XLA reduction and the one-pass Pallas kernel
+"""`jmamba.ops.log_sum_exp`: the two-pass reference, the variadic XLA reduction and the one-pass Pallas kernel
 (`pallas_kernels.log_sum_exp`, interpreted on the CPU) against float64 numpy: rows whose max comes
 first, last or in the middle, wide value ranges, widths that are not a multiple of the piece (masked
 tail), row counts that are not a multiple of the block (padding), bf16 input, the edge rows (−inf,
@@ -32,8 +32,9 @@ def want_of(x):
     return np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1)
 
 
-@pytest.mark.parametrize("impl,config", [("xla", None), ("pallas", SMALL), ("pallas", LogSumExpConfig(width=64))],
-                         ids=["xla", "pallas-16", "pallas-64"])
+@pytest.mark.parametrize("impl,config", [("reference", None), ("xla", None), ("pallas", SMALL),
+                                         ("pallas", LogSumExpConfig(width=64))],
+                         ids=["reference", "xla", "pallas-16", "pallas-64"])
 @pytest.mark.parametrize("length", [1, 2, 37, 4099])
 def test_matches_float64(impl, config, length):
     x = rows(length, 0)

@@ -1,13 +1,17 @@
-"""`log_sum_exp(x)`: log Σ_v exp(x[..., v]) over the last axis, float32, in one pass over x.
+"""`log_sum_exp(x)`: log Σ_v exp(x[..., v]) over the last axis, float32.
 
 The cross entropy's normalizer over the vocabulary (`jmamba.training.losses`): its [B, T, V] bf16
-logits are the largest array of a training step (1.65 GB at B=8, T=2048, V=50280), so the op reads
-them once. Implementations: "reference" / "xla" (one variadic XLA reduction carrying the running max
-and the rescaled sum) and "pallas" (one kernel walking each row in pieces, `pallas_kernels.log_sum_exp`;
-opt-in with `dispatch.prefer("log_sum_exp", "pallas")` until it has run on a GPU: `AUTOMATIC`). Values agree to float32 rounding (the order of the sums differs). Rows of
-−inf give −inf; a NaN or +inf in a row gives a non-finite value. Not differentiable: it has no VJP
-(the cross entropy's custom VJP needs only the value). Under a mesh it runs per device on its
-`data` rows / `seq` shard.
+logits are the largest array of a training step (1.65 GB at B=8, T=2048, V=50280), so the fast
+implementations read them once. Implementations:
+  "reference": the textbook two passes (the row max, then log Σ exp(x − max));
+  "xla": one variadic XLA reduction carrying the running max and the rescaled sum (the automatic
+    choice, `AUTOMATIC`);
+  "pallas": one kernel walking each row in pieces (`pallas_kernels.log_sum_exp`), opt-in with
+    `dispatch.prefer("log_sum_exp", "pallas")` until it has run on a GPU.
+Values agree to float32 rounding (the order of the sums differs). Rows of −inf give −inf ("xla",
+"pallas"; NaN for "reference"); a NaN or +inf in a row gives a non-finite value. Not differentiable:
+it has no VJP (the cross entropy's custom VJP needs only the value). Under a mesh it runs per device
+on its `data` rows / `seq` shard.
 
 Implementation contract:
 
@@ -68,8 +72,13 @@ def log_sum_exp(x, *, implementation=None, tuning=None):
 
 
 def _load_reference():
-    from jmamba.ops.reductions.reference import log_sum_exp_reference
-    return dispatch.Implementation(log_sum_exp_reference, lambda **_: None)
+    from jmamba.ops.reductions.reference import log_sum_exp_two_pass
+    return dispatch.Implementation(log_sum_exp_two_pass, lambda **_: None)
+
+
+def _load_xla():
+    from jmamba.ops.reductions.reference import log_sum_exp_one_pass
+    return dispatch.Implementation(log_sum_exp_one_pass, lambda **_: None)
 
 
 def _load_pallas():
@@ -79,5 +88,5 @@ def _load_pallas():
 
 register_tuning(OP, LogSumExpTuning())
 dispatch.register(OP, "reference", _load_reference)
-dispatch.register(OP, "xla", _load_reference)
+dispatch.register(OP, "xla", _load_xla)
 dispatch.register(OP, "pallas", _load_pallas)

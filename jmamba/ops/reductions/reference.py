@@ -1,4 +1,5 @@
-"""The plain-JAX log-sum-exp: one variadic XLA reduction (the "reference" / "xla" implementation)."""
+"""The plain-JAX log-sum-exp: the textbook two passes ("reference": the row max, then log Σ exp(x − max))
+and one variadic XLA reduction ("xla": the running max and the rescaled sum in one pass)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import jax.numpy as jnp
 F32 = jnp.float32
 
 
-def log_sum_exp_reference(x, *, tuning=None):
+def log_sum_exp_two_pass(x, *, tuning=None):
+    """m + log Σ_v exp(x_v − m) with m = max_v x_v, float32 ([..., V] -> [...]): two reductions over x.
+    Rows of −inf give NaN (−inf − −inf); a NaN or +inf in the row gives a non-finite result."""
+    x = x.astype(F32)
+    m = jnp.max(x, axis=-1, keepdims=True)
+    return (m + jnp.log(jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)))[..., 0]
+
+
+def log_sum_exp_one_pass(x, *, tuning=None):
     """log Σ_v exp(x_v) over the last axis in float32, in one pass over x ([..., V] -> [...]).
 
     One variadic reduction carries (running max m, Σ exp(x − m)) and rescales the sum when the max
