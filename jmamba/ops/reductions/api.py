@@ -77,7 +77,7 @@ def _load_reference():
 
 
 def _load_xla():
-    from jmamba.ops.reductions.reference import log_sum_exp_one_pass
+    from jmamba.ops.reductions.xla import log_sum_exp_one_pass
     return dispatch.Implementation(log_sum_exp_one_pass, lambda **_: None)
 
 
