@@ -52,6 +52,8 @@
 # lse_tests / lse_ab: the one-pass log-sum-exp kernel (jmamba.ops.log_sum_exp): its GPU tests, the train steps
 # with the kernel ("+pallaslse": --prefer log_sum_exp=pallas) and without (the default until then).
 # m1_keep_tests: the mixer core's kept-activation tests (mixer_residuals="activations") with the real kernels.
+# tests: every -m gpu test (~82, ~7 min on an H100: more than one call's other stages leave room for);
+# tests_m3 / tests_rest split it into the Mamba-3 + mixer-core files (~4 min) and everything else (~4 min).
 # new_tests: the GPU tests of fast_rotation, the hardware cos/sin and bwd_adjoint_stride in one pytest process.
 # m1_prefetch: the Mamba-1 backward rows loaded a sub-chunk ahead, the default since 2026-12-04 (its GPU
 # test, op sweep, the train step without it; e2e1_pf: that train step alone, log tagged by PF_TAG, for an
@@ -121,7 +123,9 @@ train_steps() {  # arch, configs ("default" or K=V,..., each with optional +keep
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1; cat "$OUT/gpu.txt"
 OPT=fused
 for s in $stages; do case $s in
-  tests)       run gpu_tests 360 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ ;;
+  tests)       run gpu_tests 540 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rA ;;
+  tests_m3)    run gpu_tests_m3_and_mixer 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py tests/test_mamba1_mixer_core.py -rA ;;
+  tests_rest)  run gpu_tests_rest 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rA --ignore=tests/test_mamba3_scan_pallas.py --ignore=tests/test_mamba1_mixer_core.py ;;
   cache_restore) for c in tc jcc; do [ -f .devcache/$c.tgz ] && mkdir -p /tmp/$c && tar xzf .devcache/$c.tgz -C /tmp/$c && echo "restored $c: $(du -sh /tmp/$c | cut -f1)"; done ;;
   cache_save)  for c in tc jcc; do [ -d /tmp/$c ] && tar czf "$OUT/$c.tgz" -C /tmp/$c . && ls -la "$OUT/$c.tgz"; done ;;
   m3_ncu)      run m3_ncu_${NCU_SHAPE:-b32t512} 240 ncu --clock-control none --kernel-name regex:mamba3_siso --launch-skip 10 --launch-count 10 \
