@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+from types import SimpleNamespace
+
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -73,3 +75,59 @@ def test_a_test_that_kills_its_worker_twice_fails_and_the_rest_of_its_file_runs(
     assert "FAILED test_b_dies.py::test_dies - worker" in out
     assert "test_b_dies.py::test_dies: worker died 2x: failed" in out
 
+
+
+class _Worker:
+    """Stands in for xdist's WorkerController: records what the scheduler sends it."""
+
+    def __init__(self, name):
+        self.name, self.shutting_down, self.sent = name, False, []
+        self.gateway = SimpleNamespace(id=name)
+
+    def send_runtest_some(self, indices):
+        self.sent.extend(indices)
+
+    def shutdown(self):
+        self.shutting_down = True
+
+    def __repr__(self):
+        return self.name
+
+
+def test_a_replacement_worker_still_collecting_gets_work_only_once_its_collection_arrives(monkeypatch):
+    """The CI failure of stop 37: both workers died close together; the first replacement had not
+    sent its collection when the second death rescheduled every node, and the scheduler indexed a
+    collection it did not have (KeyError in `_assign_work_unit`, INTERNALERROR)."""
+    from collections import OrderedDict
+
+    from xdist.scheduler.loadscope import LoadScopeScheduling
+
+    import xdist_recovery
+    monkeypatch.setattr(xdist_recovery, "_crashes", {})   # not this session's own death record
+    xdist_recovery._patch_load_scope_scheduling()
+    tests = [f"test_{f}.py::test_{i}" for f in "abcdef" for i in range(2)]
+    sched = LoadScopeScheduling.__new__(LoadScopeScheduling)
+    sched.numnodes, sched.collection = 2, None
+    sched.workqueue, sched.assigned_work, sched.registered_collections = OrderedDict(), {}, {}
+    sched.log = lambda *a, **k: None
+    sched.config = SimpleNamespace(option=SimpleNamespace(loadscopereorder=False))
+    gw0, gw1 = _Worker("gw0"), _Worker("gw1")
+    for w in (gw0, gw1):
+        sched.add_node(w)
+        sched.add_node_collection(w, tests)
+    sched.schedule()
+    gw2, gw3 = _Worker("gw2"), _Worker("gw3")
+    sched.remove_node(gw1)   # gw1 dies on its first test
+    sched.add_node(gw2)      # its replacement starts collecting
+    sched.remove_node(gw0)   # gw0 dies before gw2 has collected: gw2 must not be given work yet
+    assert gw2.sent == [] and not gw2.shutting_down
+    sched.add_node(gw3)
+    sched.add_node_collection(gw3, tests)
+    sched.schedule()         # what xdist calls when gw3's collection arrives
+    assert gw2.sent == [] and gw3.sent
+    sched.add_node_collection(gw2, tests)
+    sched.schedule()
+    assert gw2.sent or gw2.shutting_down
+    handed_out = [tests[i] for w in (gw2, gw3) for i in w.sent]
+    queued = [t for unit in sched.workqueue.values() for t in unit]
+    assert sorted(handed_out + queued) == tests   # every test still runs once, the crashed two again

@@ -14,6 +14,7 @@ method ending a hung test. pytest-xdist 3.8.0 (the newest release) handles that 
   workers may be restarted.
 
 `install(config)` patches the controller's scheduler so that finished files are not re-queued, a
+worker still collecting is given nothing until its collection arrives, a
 late worker is given work until it holds two tests or is told to finish, and a test whose worker
 died runs once more on a fresh worker: that second run is the test's verdict (a second death fails
 it and it is not run a third time). Each death is listed in the terminal summary with the test it ran, so a
@@ -63,6 +64,11 @@ def _patch_load_scope_scheduling():
     reschedule = LoadScopeScheduling._reschedule
 
     def reschedule_until_the_worker_can_run(self, node):
+        if node not in self.registered_collections:
+            # a replacement worker still collecting: `schedule()` reschedules every node when its
+            # collection arrives; handing it work now would index a collection it has not sent
+            # (KeyError in `_assign_work_unit`, seen in CI when both workers died close together)
+            return
         reschedule(self, node)
         if node.shutting_down:
             return
