@@ -61,11 +61,10 @@ def parse_args(argv=None):
     p.add_argument("--conv-config", default=None, metavar="K=V,...",
                    help="mamba1: the mixer core's conv kernels' ConvBlockConfig fields (e.g. "
                         "fast_math=True,fused_multiply_add=True)")
-    p.add_argument("--norm-impl", default=None, choices=["xla", "pallas"],
-                   help="the add + RMSNorm op's implementation (jmamba.ops.add_rms_norm; default: the "
-                        "automatic choice, the kernels on a GPU)")
     p.add_argument("--prefer", default=None, metavar="OP=IMPL,...",
-                   help="dispatch.prefer for other ops, e.g. log_sum_exp=xla (the cross entropy's normalizer)")
+                   help="dispatch.prefer per op, e.g. log_sum_exp=pallas (the cross entropy's normalizer), "
+                        "add_rms_norm=xla (the composition instead of the kernels), split_dense=reference "
+                        "(Mamba-3's in_proj backward summing dx behind the barrier)")
     p.add_argument("--norm-config", default=None, metavar="K=V,...",
                    help="the add + RMSNorm kernels' NormBlockConfig fields (e.g. block_rows=16,num_warps=8)")
     p.add_argument("--steady", type=int, default=0, metavar="K",
@@ -115,7 +114,7 @@ def build(args):
 def scan_tuning(args):
     """The Mamba-3 scan's chunk (a tuning knob of the op; the official 64, 16 for the tiny run), the
     Mamba-1 mixer core's residuals (--mixer-residuals) and, with --scan-config, the Pallas config of the
-    --arch scan (ScanBlockConfig or Mamba3ScanConfig); --norm-impl / --norm-config for add_rms_norm."""
+    --arch scan (ScanBlockConfig or Mamba3ScanConfig); --prefer OP=IMPL per op, --norm-config for add_rms_norm's kernels."""
     config = None
     if args.scan_config:   # needs the repo root on sys.path (PYTHONPATH=$PWD, as gpu_session.sh sets)
         from benchmarks.measure import scan_config
@@ -131,8 +130,6 @@ def scan_tuning(args):
             fields = {"pallas_config": config, "conv_config": conv, "mixer_residuals": args.mixer_residuals}
             stack.enter_context(jmamba.ops.tuning("selective_scan",
                                                   **{k: v for k, v in fields.items() if v is not None}))
-        if args.norm_impl:
-            stack.enter_context(dispatch.prefer("add_rms_norm", args.norm_impl))
         for pair in (args.prefer.split(",") if args.prefer else []):
             op, impl = pair.split("=")
             stack.enter_context(dispatch.prefer(op, impl))

@@ -48,9 +48,11 @@
 # recomputed activations, exact conv math; Mamba-3: libdevice rotation) and with the conv kernels' loop_rows.
 # norm_tests / norm_bench / norm_ab: the add + RMSNorm kernels (jmamba.ops.add_rms_norm): their GPU tests,
 # bench_rms_norm.py's sweep, the train steps of both models with the kernels (default) and with the XLA
-# composition ("+xlanorm" suffix: --norm-impl xla).
+# composition ("+xlanorm" suffix: --prefer add_rms_norm=xla).
 # lse_tests / lse_ab: the one-pass log-sum-exp kernel (jmamba.ops.log_sum_exp): its GPU tests, the train steps
 # with the kernel ("+pallaslse": --prefer log_sum_exp=pallas) and without (the default until then).
+# dx_ab: the Mamba-3 train step with split_dense's custom VJP (default: dx summed with no barrier, so the GEMM
+# rewriter can fold the sum into the matmuls) and with JAX's transpose of the barrier ("+barrierdx").
 # m1_keep_tests: the mixer core's kept-activation tests (mixer_residuals="activations") with the real kernels.
 # tests: every -m gpu test (~82, ~7 min on an H100: more than one call's other stages leave room for);
 # tests_m3 / tests_rest split it into the Mamba-3 + mixer-core files (~4 min) and everything else (~4 min).
@@ -108,15 +110,18 @@ pack_hlo() {  # dump dir, out file: the largest optimized module (the train step
   [ -n "$f" ] && gzip -c "$f" > "$2" && echo "packed $f -> $2"
 }
 train_steps() {  # arch, configs ("default" or K=V,..., each with optional +keep / +fastconv suffixes): the train
-  local arch=$1 cfg tag extra; shift   # step for each, logs e2e_<arch>_<config>. Mamba-1 only: "+keep" adds
+  local arch=$1 cfg tag extra prefer; shift   # step for each, logs e2e_<arch>_<config>. Mamba-1 only: "+keep" adds
   for cfg in "$@"; do tag=$(echo "$cfg" | tr '=,+' '___'); extra=""   # --mixer-residuals activations, "+fastconv"
     case $cfg in *+keep*) extra="$extra --mixer-residuals activations" ;; esac   # the conv kernels' fast math + fma
     case $cfg in *+fastconv*) extra="$extra --conv-config fast_math=True,fused_multiply_add=True" ;; esac
     case $cfg in *+recompute*) extra="$extra --mixer-residuals inputs" ;; esac     # the defaults before 2026-12-06
     case $cfg in *+exactconv*) extra="$extra --conv-config fast_math=False,fused_multiply_add=False" ;; esac
     case $cfg in *+loopconv*) extra="$extra --conv-config loop_rows=True" ;; esac
-    case $cfg in *+xlanorm*) extra="$extra --norm-impl xla" ;; esac
-    case $cfg in *+pallaslse*) extra="$extra --prefer log_sum_exp=pallas" ;; esac
+    prefer=""
+    case $cfg in *+xlanorm*) prefer="$prefer,add_rms_norm=xla" ;; esac
+    case $cfg in *+pallaslse*) prefer="$prefer,log_sum_exp=pallas" ;; esac
+    case $cfg in *+barrierdx*) prefer="$prefer,split_dense=reference" ;; esac
+    [ -n "$prefer" ] && extra="$extra --prefer ${prefer#,}"
     cfg=${cfg%%+*}; [ "$cfg" = default ] && cfg=""
     run e2e_${arch}_$tag 130 python3 benchmarks/bench_train_step.py --arch $arch --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze $extra ${cfg:+--scan-config $cfg} ; done
 }
@@ -173,6 +178,7 @@ for s in $stages; do case $s in
   norm_ab)     train_steps mamba1 default default+xlanorm ; train_steps mamba3 default default+xlanorm ;;
   lse_tests)   run gpu_tests_lse 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_log_sum_exp.py -rA ;;
   lse_ab)      train_steps mamba1 default default+pallaslse ; train_steps mamba3 default default+pallaslse ;;
+  dx_ab)       train_steps mamba3 default default+barrierdx ;;
   conv_tests)  run gpu_tests_conv 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_causal_conv_pallas.py -rA ;;
   m1_keep_tests) run gpu_tests_m1_kept_activations 150 python3 -m pytest -q -p no:cacheprovider tests/test_mamba1_mixer_core.py -k "kept or checked or reaches" -rA ;;
   e2e3x)       train_steps mamba3 ${E2E3_CFGS:-default} ;;

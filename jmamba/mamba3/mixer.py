@@ -90,18 +90,15 @@ class Mamba3Mixer(nnx.Module):
         cfg = self.config
         Di, H, P, G, N = cfg.d_inner, cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
         acc = accum_dtype(x.dtype, self.dt_bias.dtype)
-        # in_proj as three matmuls over column slices of its one kernel: z and xv ([.., Di] each) are
-        # then contiguous arrays the scan kernels read as they are, and their cotangents feed the
-        # backward matmuls directly (slicing one packed [.., in_proj_dim] product made XLA copy z and xv
-        # out of it forward and concatenate all eight cotangents back into it backward).
-        # XLA's dot merger would fuse three dots that share x back into one (and the three weight
-        # gradients that share x into one over a concatenated cotangent), so each dot gets its own
-        # copy of x through an optimization barrier (no data moves). Numerics: the outputs are as
-        # one matmul's; the cotangent of x is the sum of three products each rounded to x.dtype
-        # (bf16: rms error ~0.29% of the cotangent vs ~0.17% for one product rounded once).
+        # in_proj as three matmuls over column blocks of its one kernel (`ops.split_dense`): z and xv
+        # ([.., Di] each) are then contiguous arrays the scan kernels read as they are, and their
+        # cotangents feed the backward matmuls directly (slicing one packed [.., in_proj_dim] product
+        # made XLA copy z and xv out of it forward and concatenate all eight cotangents back into it
+        # backward). Numerics: the outputs are as one matmul's; the cotangent of x is the sum of three
+        # products (bf16: rms error ~0.29% of the cotangent vs ~0.17% for one product rounded once,
+        # when each product is rounded before the sum).
         w = self.in_proj.kernel[...].astype(x.dtype)
-        xs = jax.lax.optimization_barrier((x, x, x))
-        z, xv, rest = (jnp.dot(xi, w[:, lo:hi]) for xi, (lo, hi) in zip(xs, ((0, Di), (Di, 2 * Di), (2 * Di, None))))
+        z, xv, rest = ops.split_dense(x, w, (Di, Di, cfg.in_proj_dim - 2 * Di))
         bounds = [G * N, 2 * G * N, 2 * G * N + H, 2 * G * N + 2 * H, 2 * G * N + 3 * H]
         B, C, dd_dt, dd_A, trap, angles = jnp.split(rest, bounds, axis=-1)
         lead = x.shape[:-1]

@@ -5,6 +5,7 @@ Public names (models, training and users import only these):
   fused mixer: mamba1_mixer_core, Mamba1CoreState, causal_conv1d, causal_conv1d_step
   norms:       add_rms_norm (the pre-norm residual step), rms_norm   (+ RMSNormTuning)
   reductions:  log_sum_exp (one pass over wide rows: the cross entropy's normalizer)   (+ LogSumExpTuning)
+  projections: split_dense (a dense layer's output as column blocks, one matmul each)
   decode:      selective_scan_step, mamba3_siso_step
   optimizer:   adamw_update, step_scalars, bias_correction, AdamWTuning, AdamWKernelConfig
   elementwise: softplus_thresholded
@@ -25,6 +26,7 @@ from jmamba.ops import dispatch
 from jmamba.ops.adamw import AdamWKernelConfig, AdamWTuning, adamw_update, bias_correction, step_scalars
 from jmamba.ops.mamba1_mixer import Mamba1CoreState, causal_conv1d, causal_conv1d_step, mamba1_mixer_core
 from jmamba.ops.norms import RMSNormTuning, add_rms_norm, rms_norm
+from jmamba.ops.projections import split_dense
 from jmamba.ops.reductions import LogSumExpTuning, log_sum_exp
 from jmamba.ops.mamba3_siso_scan import Mamba3ScanState, Mamba3ScanTuning, mamba3_siso_scan, mamba3_siso_step
 from jmamba.ops.selective_scan import (SelectiveScanState, SelectiveScanTuning, selective_scan,
@@ -37,7 +39,7 @@ __all__ = ["AdamWKernelConfig", "AdamWTuning", "LogSumExpTuning", "Mamba1CoreSta
            "adamw_update", "bias_correction", "causal_conv1d", "causal_conv1d_step", "current_tuning", "dispatch", "log_sum_exp",
            "mamba1_mixer_core", "mamba3_siso_scan",
            "mamba3_siso_step", "rms_norm", "selective_scan", "selective_scan_step", "set_default_tuning",
-           "softplus_thresholded", "step_scalars", "tuning"]
+           "softplus_thresholded", "split_dense", "step_scalars", "tuning"]
 
 _RENAMED = {"Mamba3ScanStates": "Mamba3ScanState"}
 
