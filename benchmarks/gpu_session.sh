@@ -53,6 +53,9 @@
 # with the kernel ("+pallaslse": --prefer log_sum_exp=pallas) and without (the default until then).
 # dx_ab: the Mamba-3 train step with split_dense's custom VJP (default: dx summed with no barrier, so the GEMM
 # rewriter can fold the sum into the matmuls) and with JAX's transpose of the barrier ("+barrierdx").
+# qk_tests / qk_ab: the B/C norms fused with the Mamba-3 kernel layout (pallas_kernels/mamba3_siso/qk_norm.py): its
+# GPU tests; the train step with it (default) and without (fuse_qk_norm=False). s29_ab: both of session 29's
+# changes (qk_norm, split_dense's dx) in a 2x2 of train steps.
 # m1_keep_tests: the mixer core's kept-activation tests (mixer_residuals="activations") with the real kernels.
 # tests: every -m gpu test (~82, ~7 min on an H100: more than one call's other stages leave room for);
 # tests_m3 / tests_rest split it into the Mamba-3 + mixer-core files (~4 min) and everything else (~4 min).
@@ -179,6 +182,9 @@ for s in $stages; do case $s in
   lse_tests)   run gpu_tests_lse 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_log_sum_exp.py -rA ;;
   lse_ab)      train_steps mamba1 default default+pallaslse ; train_steps mamba3 default default+pallaslse ;;
   dx_ab)       train_steps mamba3 default default+barrierdx ;;
+  qk_tests)    run gpu_tests_qk_norm 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_qk_norm.py -rA ;;
+  qk_ab)       train_steps mamba3 default fuse_qk_norm=False ;;
+  s29_ab)      train_steps mamba3 default fuse_qk_norm=False default+barrierdx fuse_qk_norm=False+barrierdx ;;
   conv_tests)  run gpu_tests_conv 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_causal_conv_pallas.py -rA ;;
   m1_keep_tests) run gpu_tests_m1_kept_activations 150 python3 -m pytest -q -p no:cacheprovider tests/test_mamba1_mixer_core.py -k "kept or checked or reaches" -rA ;;
   e2e3x)       train_steps mamba3 ${E2E3_CFGS:-default} ;;

@@ -82,7 +82,7 @@ def _op(what, scan_config, shape):
     import jax
     import jax.numpy as jnp
     from benchmarks.measure import scan_config as parse
-    config = parse(scan_config, what) if scan_config else None
+    config = parse(scan_config, "mamba3" if what in ("qk_norm", "projection") else what) if scan_config else None
     if what == "mamba1":
         from pallas_kernels.selective_scan.scan import selective_scan_pallas
         bsz, T, d, n = shape or (8, 2048, 1536, 16)
@@ -116,7 +116,37 @@ def _op(what, scan_config, shape):
             return u, conv_silu_backward(src, state, kernel, bias, None, g, g, g,
                                          jnp.zeros((bsz, k - 1, e), f32), config=config)
         return fwd_bwd, specs
-    raise SystemExit(f"unknown op {what!r}: mamba1, mamba3 or conv")
+    if what == "qk_norm":   # the Mamba-3 B/C norms fused with the kernel layout (pallas_kernels/mamba3_siso/qk_norm.py)
+        from pallas_kernels.mamba3_siso.config import make_geometry
+        from pallas_kernels.mamba3_siso.qk_norm import normalized_kernel_layout
+        bsz, T = shape[:2] if shape else (8, 2048)
+        geo = make_geometry(batch=bsz, seqlen=T, heads=24, groups=1, headdim=64, d_state=128, num_angles=32,
+                            chunk_size=64, has_z=True, matmul_dtype=jnp.bfloat16, io_dtype=jnp.bfloat16,
+                            config=config)
+        rows, w = jax.ShapeDtypeStruct((bsz, T, 1, 128), jnp.bfloat16), jax.ShapeDtypeStruct((128,), jnp.float32)
+
+        def fwd_bwd(Q, K, wq, wk, dq, dk):
+            y, vjp = jax.vjp(lambda *a: normalized_kernel_layout(geo, *a, 1e-5), Q, K, wq, wk)
+            return y, vjp((dq, dk))
+        return fwd_bwd, [rows, rows, w, w, rows, rows]
+    if what == "projection":   # the Mamba-3 per-position work (pallas_kernels/mamba3_siso/projection.py)
+        from jmamba.ops.mamba3_siso_scan.per_position import per_head_for
+        from pallas_kernels.mamba3_siso.config import make_geometry
+        from pallas_kernels.mamba3_siso.projection import projection
+        bsz, T = shape[:2] if shape else (8, 2048)
+        geo = make_geometry(batch=bsz, seqlen=T, heads=24, groups=1, headdim=64, d_state=128, num_angles=32,
+                            chunk_size=64, has_z=True, matmul_dtype=jnp.bfloat16, io_dtype=jnp.bfloat16,
+                            config=config)
+        s = jax.ShapeDtypeStruct
+        rest, heads = s((bsz, T, 2 * 128 + 3 * 24 + 32), jnp.bfloat16), s((bsz, T, 24), jnp.float32)
+        layout = s((bsz, T, 1, 128), jnp.bfloat16)
+
+        def fwd_bwd(rest, bias, wk, wq, cots):
+            y, vjp = jax.vjp(lambda *a: projection(geo, *a, T, 1e-5, per_head_for(1e-4)), rest, bias, wk, wq)
+            return y, vjp(cots)
+        cots = (layout, layout, heads, heads, heads, heads, s((bsz, T, 1, 32), jnp.float32))
+        return fwd_bwd, [rest, s((24,), jnp.float32), s((128,), jnp.float32), s((128,), jnp.float32), cots]
+    raise SystemExit(f"unknown op {what!r}: mamba1, mamba3, conv, qk_norm or projection")
 
 
 # ----------------------------------------------------------------------------------------- compile
@@ -200,7 +230,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("capture")
-    c.add_argument("what", choices=["mamba1", "mamba3", "conv"])
+    c.add_argument("what", choices=["mamba1", "mamba3", "conv", "qk_norm", "projection"])
     c.add_argument("--out", required=True)
     c.add_argument("--scan-config", default=None)
     c.add_argument("--shape", default=None, help="comma-separated, e.g. 8,2048,1536,16 (mamba1)")

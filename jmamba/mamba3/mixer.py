@@ -7,6 +7,7 @@
     DT   = softplus(dd_dt + dt_bias),  ADT = A·DT                  [Bt, T, H]
     B̂, Ĉ = RMSNorm_N(B)·w_B, RMSNorm_N(C)·w_C                      [Bt, T, G, N]
     y    = mamba3_siso_scan(Q=Ĉ, K=B̂, V=xv, ADT, DT, trap, C_bias, B_bias, angles, D, Z=z)
+           (a window: steps 2-11 are one op, `mamba3_siso_scan_projected`; decode does them here)
     g    = y (already gated by silu(z))   or   GatedRMSNorm_P(y)·w ⊙ silu(z)  (is_outproj_norm)
     out  = g · W_out                                  [Bt, T, Dm]
 
@@ -44,12 +45,6 @@ f32 = jnp.float32
 Mamba3LayerState = ops.Mamba3ScanState
 
 
-def heavy_tail(u):
-    """φ(u) = 1 + u for u >= 0, 1/(1 − u) for u < 0 (the official `heavy_tail_activation`)."""
-    # The official clamp form: both branches are finite everywhere, so no NaN reaches the gradient.
-    return jnp.maximum(u, 0.0) + 1.0 / (1.0 - jnp.minimum(u, 0.0))
-
-
 class Mamba3Mixer(nnx.Module):
     """One Mamba-3 SISO mixer with the official init (docs/mamba3_siso.md §2.1, §2.3).
 
@@ -85,11 +80,9 @@ class Mamba3Mixer(nnx.Module):
 
     # ------------------------------------------------------------------------------ shared pieces
     def _project(self, x):
-        """Steps 1-7 on x [..., Dm]: (z, xv [..., H, P] in x.dtype; B̂, Ĉ [..., G, N] in x.dtype;
-        ADT, DT, trap [..., H] and raw angles [..., S] in the accumulation dtype)."""
+        """Step 1 on x [..., Dm]: (z, xv [..., H, P], rest [..., 2GN + 3H + S]), all in x.dtype."""
         cfg = self.config
-        Di, H, P, G, N = cfg.d_inner, cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
-        acc = accum_dtype(x.dtype, self.dt_bias.dtype)
+        Di, H, P = cfg.d_inner, cfg.nheads, cfg.headdim
         # in_proj as three matmuls over column blocks of its one kernel (`ops.split_dense`): z and xv
         # ([.., Di] each) are then contiguous arrays the scan kernels read as they are, and their
         # cotangents feed the backward matmuls directly (slicing one packed [.., in_proj_dim] product
@@ -99,15 +92,17 @@ class Mamba3Mixer(nnx.Module):
         # when each product is rounded before the sum).
         w = self.in_proj.kernel[...].astype(x.dtype)
         z, xv, rest = ops.split_dense(x, w, (Di, Di, cfg.in_proj_dim - 2 * Di))
-        bounds = [G * N, 2 * G * N, 2 * G * N + H, 2 * G * N + 2 * H, 2 * G * N + 3 * H]
-        B, C, dd_dt, dd_A, trap, angles = jnp.split(rest, bounds, axis=-1)
         lead = x.shape[:-1]
-        A = jnp.minimum(-heavy_tail(dd_A.astype(acc)), -cfg.A_floor)
-        DT = ops.softplus_thresholded(dd_dt.astype(acc) + self.dt_bias[...].astype(acc))
-        B_hat = self.B_norm(B.reshape(lead + (G, N)), x.dtype)
-        C_hat = self.C_norm(C.reshape(lead + (G, N)), x.dtype)
-        return (z.reshape(lead + (H, P)), xv.reshape(lead + (H, P)), B_hat, C_hat, A * DT, DT,
-                trap.astype(acc), angles.astype(acc))
+        return z.reshape(lead + (H, P)), xv.reshape(lead + (H, P)), rest
+
+    def _per_position(self, rest):
+        """Steps 2-7 on rest [..., 2GN + 3H + S] (decode; a window's scan does them itself, fused):
+        (B̂, Ĉ [..., G, N] in rest's dtype; ADT, DT, trap [..., H] and raw angles [..., S] in the
+        accumulation dtype)."""
+        cfg = self.config
+        B, C, ADT, DT, trap, angles = ops.mamba3_projected_inputs(
+            rest, self.dt_bias[...], ngroups=cfg.ngroups, d_state=cfg.d_state, nheads=cfg.nheads, A_floor=cfg.A_floor)
+        return self.B_norm(B, rest.dtype), self.C_norm(C, rest.dtype), ADT, DT, trap, angles
 
     def _output(self, y, z):
         """Steps 12-13: y [..., H, P] (gated already unless is_outproj_norm) -> out [..., Dm]."""
@@ -140,11 +135,14 @@ class Mamba3Mixer(nnx.Module):
           (out [Bt, T, d_model] in x.dtype, new Mamba3LayerState).
         """
         self._check_x(x, 3)
-        z, xv, B_hat, C_hat, ADT, DT, trap, angles = self._project(x)
-        y, final = ops.mamba3_siso_scan(
-            C_hat, B_hat, xv, ADT, DT, trap, self.C_bias[...], self.B_bias[...], angles,
-            self.D[...], None if self.norm is not None else z, initial_state=state,
-            return_final_state=True, reset=reset, tuning=self._tuning())
+        cfg = self.config
+        z, xv, rest = self._project(x)
+        # steps 2-11: the per-position work and the scan as one op (fused around the Pallas kernels)
+        y, final = ops.mamba3_siso_scan_projected(
+            rest, xv, None if self.norm is not None else z, self.dt_bias[...], self.B_norm.weight[...],
+            self.C_norm.weight[...], self.B_bias[...], self.C_bias[...], self.D[...], ngroups=cfg.ngroups,
+            A_floor=cfg.A_floor, norm_eps=cfg.norm_eps, initial_state=state, return_final_state=True,
+            reset=reset, tuning=self._tuning())
         return self._output(y, z), final
 
     def _tuning(self):
@@ -158,7 +156,8 @@ class Mamba3Mixer(nnx.Module):
     def step(self, x_t, state: Mamba3LayerState):
         """Single-token decode (docs/mamba3_siso.md §3.5). x_t: [Bt, d_model] -> (out [Bt, d_model], new state)."""
         self._check_x(x_t, 2)
-        z, xv, B_hat, C_hat, ADT, DT, trap, angles = self._project(x_t)
+        z, xv, rest = self._project(x_t)
+        B_hat, C_hat, ADT, DT, trap, angles = self._per_position(rest)
         y, new = ops.mamba3_siso_step(
             C_hat, B_hat, xv, ADT, DT, trap, self.C_bias[...], self.B_bias[...], angles, self.D[...],
             None if self.norm is not None else z, initial_state=state)

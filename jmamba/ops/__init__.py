@@ -1,7 +1,9 @@
 """The kernel boundary: every op the models and the optimizer call, each with several implementations.
 
 Public names (models, training and users import only these):
-  scans:       selective_scan, mamba3_siso_scan          (+ their states and tuning types)
+  scans:       selective_scan, mamba3_siso_scan          (+ their states and tuning types, Mamba3QKNorm),
+               mamba3_siso_scan_projected (the Mamba-3 scan fed from in_proj's last block) and its
+               per-position inputs as XLA ops, mamba3_projected_inputs (decode)
   fused mixer: mamba1_mixer_core, Mamba1CoreState, causal_conv1d, causal_conv1d_step
   norms:       add_rms_norm (the pre-norm residual step), rms_norm   (+ RMSNormTuning)
   reductions:  log_sum_exp (one pass over wide rows: the cross entropy's normalizer)   (+ LogSumExpTuning)
@@ -28,16 +30,18 @@ from jmamba.ops.mamba1_mixer import Mamba1CoreState, causal_conv1d, causal_conv1
 from jmamba.ops.norms import RMSNormTuning, add_rms_norm, rms_norm
 from jmamba.ops.projections import split_dense
 from jmamba.ops.reductions import LogSumExpTuning, log_sum_exp
-from jmamba.ops.mamba3_siso_scan import Mamba3ScanState, Mamba3ScanTuning, mamba3_siso_scan, mamba3_siso_step
+from jmamba.ops.mamba3_siso_scan import (Mamba3QKNorm, Mamba3ScanState, Mamba3ScanTuning, mamba3_siso_scan,
+                                         mamba3_projected_inputs, mamba3_siso_scan_projected,
+                                         mamba3_siso_step)
 from jmamba.ops.selective_scan import (SelectiveScanState, SelectiveScanTuning, selective_scan,
                                        selective_scan_step)
 from jmamba.ops.selective_scan.common import softplus_thresholded
 from jmamba.ops.settings import current_tuning, set_default_tuning, tuning
 
-__all__ = ["AdamWKernelConfig", "AdamWTuning", "LogSumExpTuning", "Mamba1CoreState", "Mamba3ScanState", "Mamba3ScanTuning",
+__all__ = ["AdamWKernelConfig", "AdamWTuning", "LogSumExpTuning", "Mamba1CoreState", "Mamba3QKNorm", "Mamba3ScanState", "Mamba3ScanTuning",
            "RMSNormTuning", "SelectiveScanState", "SelectiveScanTuning", "add_rms_norm",
            "adamw_update", "bias_correction", "causal_conv1d", "causal_conv1d_step", "current_tuning", "dispatch", "log_sum_exp",
-           "mamba1_mixer_core", "mamba3_siso_scan",
+           "mamba1_mixer_core", "mamba3_projected_inputs", "mamba3_siso_scan", "mamba3_siso_scan_projected",
            "mamba3_siso_step", "rms_norm", "selective_scan", "selective_scan_step", "set_default_tuning",
            "softplus_thresholded", "split_dense", "step_scalars", "tuning"]
 

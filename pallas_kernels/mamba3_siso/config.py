@@ -151,6 +151,17 @@ class Mamba3ScanConfig:
         2^-21 from the forward's. H100 (session 27, B=8 T=2048, per-head angles): the forward
         query/key kernel 265 → 204 µs, kernel sum 2125 → 2064 µs, train step 82.1 → 80.9 ms; GPU
         tests (shared and per-head angles) passed.
+      fuse_qk_norm: when the op is given the B/C norms (`mamba3_siso_scan(..., qk_norm=...)`, as the
+        Mamba-3 mixer does), normalize Q and K inside the layout step (qk_norm.py: one kernel forward,
+        one backward, in place of the norms' and the layout's XLA passes both ways); False normalizes
+        them with `jmamba.ops.rms_norm` first and keeps the XLA layout step (as before 2026-12-06,
+        session 29). On by default; CPU-tested (interpreter, Triton 3.6 compile for sm_90a), not yet
+        timed on a GPU (benchmarks/notes_mamba3_scan.md v18).
+      fuse_projection: `mamba3_siso_scan_projected` (the Mamba-3 mixer's call) runs the per-position
+        work between in_proj's rest block and the core (the B/C norms and layout, A, DT, ADT, the
+        trapezoid weights, the angles; backward d rest in one write) as projection.py's two kernels;
+        False runs it as XLA ops around `mamba3_siso_scan` (with fuse_qk_norm for the norms). On by
+        default; CPU-tested, not yet timed on a GPU (notes_mamba3_scan.md v18).
     """
 
     state_block_p: int = 16
@@ -184,6 +195,8 @@ class Mamba3ScanConfig:
     skip_in_scores: bool = True
     fast_rotation: bool = True
     fast_rotation_backward: bool | None = False
+    fuse_qk_norm: bool = True
+    fuse_projection: bool = True
 
     def validate(self) -> "Mamba3ScanConfig":
         for name in ("state_block_p", "walk_block_p", "num_warps_walk", "num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad",
@@ -226,7 +239,7 @@ class Mamba3ScanConfig:
         if self.stored_for_keys is True and not self.stored_scores:
             raise ValueError("Mamba3ScanConfig.stored_for_keys=True needs stored_scores=True")
         for name in ("adt_in_values", "keys_with_queries", "rotate_in_chunk_gradients", "skip_in_scores",
-                     "fast_rotation"):
+                     "fast_rotation", "fuse_qk_norm", "fuse_projection"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.fast_rotation_backward is not None and type(self.fast_rotation_backward) is not bool:

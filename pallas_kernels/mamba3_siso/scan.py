@@ -41,6 +41,7 @@ from pallas_kernels.common.padding import pad_axis_to
 from pallas_kernels.mamba3_siso.chunk_math import TWO_PI, angle_rate
 from pallas_kernels.mamba3_siso.config import Mamba3ScanConfig, ScanGeometry, make_geometry
 from pallas_kernels.mamba3_siso.core import chunked_core
+from pallas_kernels.mamba3_siso.qk_norm import normalized_kernel_layout
 from pallas_kernels.mamba3_siso.queries_keys import from_kernel_layout, to_kernel_layout
 
 HI = jax.lax.Precision.HIGHEST
@@ -55,7 +56,7 @@ def matmul_dtype(Q, K, V):
 
 
 def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, dt, angle0, s0, Z, *, chunk_size,
-                 config: Mamba3ScanConfig | None = None, interpret: bool = False):
+                 config: Mamba3ScanConfig | None = None, interpret: bool = False, qk_norm=None):
     """Chunked Pallas Mamba-3 SISO scan on prepared operands.
 
     Args:
@@ -68,6 +69,8 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, dt, angl
       chunk_size: requested chunk length (rounded by config.chunk_length).
       config: launch parameters (None: DEFAULT_CONFIG).
       interpret: run the kernels in the Pallas interpreter (CPU).
+      qk_norm: None, or (Q_weight [N], K_weight [N], eps) when Q, K are raw: they are RMS-normalized
+        over d_state into the kernel layout by qk_norm.py's kernels (S = 0 or a power of two >= 8).
 
     Returns:
       (out [Bt, T, H, P] in V.dtype, ssm_final [Bt, H, P, N] float32, θ_final [Bt, H, S] float32).
@@ -88,8 +91,13 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, dt, angl
         theta_entry = pad_axis_to(theta_entry, 3, geo.angle_width)          # [Bt, nc, H, Sp]
     else:
         angles = dt = None
+    if qk_norm is None:
+        Qk, Kk = to_kernel_layout(geo, _pad_time(geo, Q)), to_kernel_layout(geo, _pad_time(geo, K))
+    else:
+        Q_weight, K_weight, eps = qk_norm
+        Qk, Kk = normalized_kernel_layout(geo, _pad_time(geo, Q), _pad_time(geo, K), Q_weight, K_weight, eps)
     core_args = (
-        to_kernel_layout(geo, _pad_time(geo, Q)), to_kernel_layout(geo, _pad_time(geo, K)),
+        Qk, Kk,
         to_kernel_layout(geo, Q_bias.astype(F32)), to_kernel_layout(geo, K_bias.astype(F32)),
         _pad_time(geo, scale), angles, dt, theta_entry,
         _pad_headdim(geo, _pad_time(geo, V)), None if Z is None else _pad_headdim(geo, _pad_time(geo, Z)),
@@ -135,3 +143,53 @@ def _pad_headdim(geo: ScanGeometry, x, axis=3):
     """The headdim axis (3 of [Bt, Tp, H, P], 2 of a state [Bt, H, P, N]) zero-padded from P to Pp."""
     return pad_axis_to(x, axis, geo.padded_headdim)
 
+
+
+def projected_scan(rest, V, dt_bias, K_weight, Q_weight, Q_bias, K_bias, D, initial_state, Z, *, groups, d_state,
+                   num_angles, eps, per_head, chunk_size, config: Mamba3ScanConfig | None = None,
+                   interpret: bool = False):
+    """The chunked scan fed straight from in_proj's rest block (projection.py does the per-position work).
+
+    Args:
+      rest: [Bt, T, R] in_proj's columns after z and x: B, C [G·N each], dd_dt, dd_A, trap [H each], the
+        raw angles [S] (shared by the heads); V: [Bt, T, H, P]; Z: [Bt, T, H, P] or None.
+      dt_bias: [H]; K_weight, Q_weight: [N] the B and C norms' weights; Q_bias, K_bias: [H, N] (C_bias,
+        B_bias); D: [H] or None.
+      initial_state: None or (angle [Bt, H, S], ssm [Bt, H, P, N], k [Bt, H, N], v [Bt, H, P]) float32.
+      groups, d_state, num_angles: G, N, S; eps: the norms' epsilon;
+      per_head: (dd_dt, dd_A, trap, dt_bias) -> (ADT, DT, γ, β/α), the caller's formulas (projection.py).
+      chunk_size, config, interpret: as chunked_scan.
+
+    Returns:
+      (out [Bt, T, H, P] in V.dtype, ssm_final [Bt, H, P, N], θ_final [Bt, H, S], k_last [Bt, G, N] the
+      normalized B of the last position, float32 from rest's dtype).
+    """
+    from pallas_kernels.mamba3_siso.projection import projection
+
+    bsz, T, H, P = V.shape
+    G, N, S = groups, d_state, num_angles
+    geo = make_geometry(batch=bsz, seqlen=T, heads=H, groups=G, headdim=P, d_state=N, num_angles=S,
+                        chunk_size=chunk_size, has_z=Z is not None, matmul_dtype=matmul_dtype(rest, rest, V),
+                        io_dtype=V.dtype, config=config, interpret=interpret)
+    Kk, Qk, adt, dt, gamma, prev_weight, angles = projection(geo, _pad_time(geo, rest), dt_bias, K_weight, Q_weight,
+                                                             T, float(eps), per_head)
+    # s = γ + σ̂, σ̂_t = β/α at t + 1 (zero past the window: the padding rows are zeros)
+    scale = gamma + jnp.concatenate([prev_weight[:, 1:], jnp.zeros_like(prev_weight[:, :1])], axis=1)
+    if initial_state is None:
+        angle0, s0 = jnp.zeros((bsz, H, S), F32), jnp.zeros((bsz, H, P, N), F32)
+    else:
+        angle0, ssm, k, v = (x.astype(F32) for x in initial_state)
+        # the β_0 term of the carried (k, v) folded into the entering state
+        s0 = ssm + prev_weight[:, 0, :, None, None] * v[..., :, None] * k[..., None, :]
+    theta_entry, theta_final = None, angle0
+    if S:
+        theta_entry, theta_final = chunk_entry_angles(geo, angle_rate(angles), dt, angle0)
+    core_args = (
+        Qk, Kk, to_kernel_layout(geo, Q_bias.astype(F32)), to_kernel_layout(geo, K_bias.astype(F32)),
+        scale, angles, dt if S else None, theta_entry,
+        _pad_headdim(geo, _pad_time(geo, V)), None if Z is None else _pad_headdim(geo, _pad_time(geo, Z)),
+        adt, gamma, _pad_headdim(geo, to_kernel_layout(geo, s0), axis=2),
+        jnp.zeros((H,), F32) if D is None else D.astype(F32))
+    out, final = chunked_core(geo, *core_args)
+    k_last = from_kernel_layout(geo, Kk[:, T - 1].astype(F32))
+    return out[:, :T, :, :P], from_kernel_layout(geo, final[:, :, :P]), theta_final, k_last

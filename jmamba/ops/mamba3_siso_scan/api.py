@@ -45,7 +45,8 @@ from jmamba.core.validation import check_array, check_bool, check_float, normali
 from jmamba.ops import dispatch
 from jmamba.ops.batch_sharding import call_batch_sharded
 from jmamba.core.dtypes import accum_dtype
-from jmamba.ops.mamba3_siso_scan.common import Mamba3ScanState, Mamba3ScanTuning, zero_states
+from jmamba.ops.mamba3_siso_scan.common import Mamba3QKNorm, Mamba3ScanState, Mamba3ScanTuning, zero_states
+from jmamba.ops.norms.reference import rms_norm
 from jmamba.ops.mamba3_siso_scan.sequence import mamba3_siso_scan_sequence_sharded
 from jmamba.ops.sequence_sharding import sequence_sharded
 from jmamba.ops.settings import current_tuning, register_tuning
@@ -58,11 +59,12 @@ _RENAMED = {"Z": "z", "initial_states": "initial_state", "return_final_states": 
 
 def mamba3_siso_scan(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, z=None, *legacy,
                      initial_state=None, return_final_state=False, reset=None, implementation=None,
-                     tuning=None, **deprecated):
+                     tuning=None, qk_norm=None, **deprecated):
     """Mamba-3 SISO scan, channels-last.
 
     Args:
       Q: [Bt, T, G, N] query = BC-normed C (pre-bias). K: [Bt, T, G, N] key = BC-normed B.
+        With `qk_norm`, the raw C and B instead (the op normalizes them).
       V: [Bt, T, H, P] value = x; G must divide H.
       ADT: [Bt, T, H] log-decay A·DT (negative). DT: [Bt, T, H] step size (positive).
       Trap: [Bt, T, H] raw trapezoid logit (the op applies the sigmoid).
@@ -77,6 +79,11 @@ def mamba3_siso_scan(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, z=N
         (at that position); a [Bt] mask acts at t = 0 (document boundaries).
       implementation: None (automatic), "reference", "xla" or "pallas".
       tuning: a `Mamba3ScanTuning` (chunk size, kernel config); None: the current `jmamba.ops.tuning`.
+      qk_norm: optional `Mamba3QKNorm(Q_weight [N], K_weight [N], eps)`: Q and K are raw and the op
+        applies the mixer's B/C RMSNorms first (jmamba.ops.rms_norm, rounded to Q's / K's dtype). The
+        Pallas path fuses them with its kernel-layout step (one kernel each way,
+        pallas_kernels/mamba3_siso/qk_norm.py); the others, and the sequence-sharded path, normalize
+        with `rms_norm` before the scan. Gradients reach both weights.
 
     Deprecated spellings (accepted with a DeprecationWarning): `Z=`, `initial_states=`,
     `return_final_states=`, `chunk_size=` (now `tuning=Mamba3ScanTuning(chunk_size=...)`), and the
@@ -91,17 +98,45 @@ def mamba3_siso_scan(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, z=N
     args = normalize_arguments(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, z, initial_state, reset)
     check_bool("return_final_state", return_final_state)
     Q, _, V, _, _, _, _, _, Angles, _, _, states, reset = args
+    if qk_norm is not None:
+        qk_norm = check_qk_norm(qk_norm, shape_of(Q)[-1])
     if shape_of(V)[1] == 0:   # an empty window: nothing to scan, the state passes through
         return _empty_window(V, Q, Angles, states, return_final_state)
     impl = dispatch.choose(OP, implementation, Q=Q, V=V, Angles=Angles, initial_state=states,
                            reset=reset, tuning=tuning)
-    if sequence_sharded():   # time split over the mesh's `seq` axis (jmamba.ops.sequence_sharding)
-        out, final = mamba3_siso_scan_sequence_sharded(impl.fn, args, tuning=tuning)
-        return (out, Mamba3ScanState(*final)) if return_final_state else out
     # batched: Q K V ADT DT Trap | biases replicated | Angles batched, D replicated, z, state, reset batched
-    out, final = call_batch_sharded(impl.fn, args, (True,) * 6 + (False, False, True, False, True, True, True),
-                                    tuning=tuning)
+    fn, batched = impl.fn, (True,) * 6 + (False, False, True, False, True, True, True)
+    if qk_norm is not None:
+        if getattr(impl.fn, "fuses_qk_norm", False) and not sequence_sharded():
+            fn, args, batched = _with_fused_qk_norm(impl.fn, qk_norm.eps), args + qk_norm[:2], batched + (False, False)
+        else:
+            args = (rms_norm(Q, qk_norm.Q_weight, qk_norm.eps, Q.dtype),
+                    rms_norm(args[1], qk_norm.K_weight, qk_norm.eps, args[1].dtype)) + args[2:]
+    if sequence_sharded():   # time split over the mesh's `seq` axis (jmamba.ops.sequence_sharding)
+        out, final = mamba3_siso_scan_sequence_sharded(fn, args, tuning=tuning)
+        return (out, Mamba3ScanState(*final)) if return_final_state else out
+    out, final = call_batch_sharded(fn, args, batched, tuning=tuning)
     return (out, Mamba3ScanState(*final)) if return_final_state else out
+
+
+def _with_fused_qk_norm(fn, eps):
+    """fn over the 13 normalized arguments and the two norm weights (replicated under a mesh)."""
+    def run(*args, tuning):
+        return fn(*args[:13], tuning=tuning, qk_norm=Mamba3QKNorm(args[13], args[14], eps))
+    return run
+
+
+def check_qk_norm(qk_norm, N) -> Mamba3QKNorm:
+    """Raises unless `qk_norm` is a `Mamba3QKNorm` (or a 3-tuple) of two float [N] weights and a positive
+    eps; returns it with eps as a Python float."""
+    if not isinstance(qk_norm, (tuple, list)) or len(qk_norm) != 3:
+        raise ValueError(f"qk_norm must be a Mamba3QKNorm(Q_weight, K_weight, eps), got {type(qk_norm).__name__}")
+    Q_weight, K_weight, eps = qk_norm
+    check_array("qk_norm.Q_weight", Q_weight, (N,), "[d_state]")
+    check_array("qk_norm.K_weight", K_weight, (N,), "[d_state]")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"qk_norm.eps must be a positive Python float, got {eps!r}")
+    return Mamba3QKNorm(Q_weight, K_weight, float(eps))
 
 
 def _empty_window(V, Q, Angles, states, return_final_state):

@@ -34,6 +34,21 @@ class Mamba3ScanState(NamedTuple):
     v: jax.Array
 
 
+class Mamba3QKNorm(NamedTuple):
+    """The B/C RMSNorms of the Mamba-3 mixer, applied by `mamba3_siso_scan` to its raw Q (C) and K (B):
+    Q̂ = RMSNorm(Q)·Q_weight and K̂ = RMSNorm(K)·K_weight over d_state, in float32, rounded to Q's
+    and K's dtypes (`jmamba.ops.rms_norm`). The Pallas path fuses them with the kernels' layout step.
+
+    Attributes:
+      Q_weight: [N] the C norm's weight.  K_weight: [N] the B norm's weight.
+      eps: added to the mean square (a positive Python float).
+    """
+
+    Q_weight: jax.Array
+    K_weight: jax.Array
+    eps: float
+
+
 @dataclasses.dataclass(frozen=True)
 class Mamba3ScanTuning:
     """Tuning of `mamba3_siso_scan` (speed and rounding only; see `jmamba.ops.tuning`).

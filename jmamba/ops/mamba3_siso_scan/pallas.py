@@ -19,6 +19,7 @@ from jmamba.core.validation import shape_of
 from jmamba.ops.mamba3_siso_scan.common import (
     Mamba3ScanState, Mamba3ScanTuning, entering_ssm, expand_groups, rotate_pairs,
     trapezoid_weights)
+from jmamba.ops.norms.reference import rms_norm
 from jmamba.ops.pallas_platform import interpret_mode, triton_platform_reason
 
 # Beyond these the per-program tiles ([chunk, d_state] queries/keys and their gradients, [headdim,
@@ -54,7 +55,7 @@ def supported(*, platform, Q, V, Angles, initial_state=None, reset=None, tuning=
 
 
 def mamba3_siso_scan_pallas(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, z, initial_state, reset, *,
-                            tuning=None):
+                            tuning=None, qk_norm=None):
     """The op's implementation contract (see api.py) around the kernels' `chunked_scan`.
 
     The per-position work is done here in float32 with the helpers the XLA implementation uses
@@ -63,8 +64,12 @@ def mamba3_siso_scan_pallas(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, z
     β_0 term folded in, and the final key R(θ_{T-1})(K_{T-1} + K_bias). The raw Angles go to the
     kernels, which form the increments π·tanh(Angles)·DT themselves.
     `tuning`: a `Mamba3ScanTuning` (its chunk_size and pallas_config, a Mamba3ScanConfig or None).
+    `qk_norm`: None, or a `Mamba3QKNorm` when Q, K are raw (api.py): the kernels' layout step normalizes
+    them (pallas_kernels/mamba3_siso/qk_norm.py) where it can (S = 0 or a power of two >= 8) and
+    Mamba3ScanConfig.fuse_qk_norm is on, else `rms_norm` here.
     """
     from pallas_kernels.mamba3_siso import chunked_scan
+    from pallas_kernels.mamba3_siso.qk_norm import fuses_num_angles
 
     if reset is not None:
         raise NotImplementedError("reset: the Pallas Mamba-3 SISO kernels do not support reset masks")
@@ -72,6 +77,14 @@ def mamba3_siso_scan_pallas(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, z
     bsz, T, H, P = V.shape
     N = Q.shape[-1]
     S = Angles.shape[-1]
+    fused_norm = None
+    if qk_norm is not None:
+        from pallas_kernels.mamba3_siso import DEFAULT_CONFIG
+        if (tuning.pallas_config or DEFAULT_CONFIG).fuse_qk_norm and fuses_num_angles(S):
+            fused_norm = (qk_norm.Q_weight, qk_norm.K_weight, qk_norm.eps)
+        else:
+            Q = rms_norm(Q, qk_norm.Q_weight, qk_norm.eps, Q.dtype)
+            K = rms_norm(K, qk_norm.K_weight, qk_norm.eps, K.dtype)
     gamma, prev_weight, scale = trapezoid_weights(DT, Trap, F32)
     if initial_state is None:
         angle0, s0 = jnp.zeros((bsz, H, S), F32), jnp.zeros((bsz, H, P, N), F32)
@@ -81,9 +94,47 @@ def mamba3_siso_scan_pallas(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, z
     angles = Angles.astype(F32) if S else None     # [Bt, T, 1 or H, S] raw: π·tanh(angles)·DT inside the kernels
     out, ssm, theta = chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, DT.astype(F32), angle0, s0, z,
                                    chunk_size=tuning.chunk_size, config=tuning.pallas_config,
-                                   interpret=interpret_mode())
-    k_last = expand_groups(K[:, T - 1].astype(F32), H) + K_bias.astype(F32)            # [Bt, H, N]
+                                   interpret=interpret_mode(), qk_norm=fused_norm)
+    K_last = K[:, T - 1]                                                                 # [Bt, G, N]
+    if fused_norm is not None:
+        K_last = rms_norm(K_last, qk_norm.K_weight, qk_norm.eps, K.dtype)
+    k_last = expand_groups(K_last.astype(F32), H) + K_bias.astype(F32)                  # [Bt, H, N]
     return out, Mamba3ScanState(theta, ssm, rotate_pairs(k_last, theta), V[:, T - 1].astype(F32))
+
+
+def mamba3_siso_scan_projected_pallas(rest, V, z, initial_state, dt_bias, B_norm_weight, C_norm_weight, B_bias,
+                                      C_bias, D, *, groups, A_floor, eps, tuning):
+    """`mamba3_siso_scan_projected`'s fused path (projected.py): the scan from in_proj's rest block with
+    the per-position work in pallas_kernels/mamba3_siso/projection.py's two kernels. Returns (out, final
+    Mamba3ScanState) like the op's implementations."""
+    from jmamba.ops.mamba3_siso_scan.per_position import per_head_for
+    from pallas_kernels.mamba3_siso.scan import projected_scan
+
+    bsz, T, H, P = V.shape
+    N = B_norm_weight.shape[0]
+    S = rest.shape[-1] - 2 * groups * N - 3 * H
+    state = None if initial_state is None else tuple(x.astype(F32) for x in initial_state)
+    out, ssm, theta, k_last = projected_scan(
+        rest, V, dt_bias, B_norm_weight, C_norm_weight, C_bias, B_bias, D, state, z, groups=groups, d_state=N,
+        num_angles=S, eps=eps, per_head=per_head_for(A_floor), chunk_size=tuning.chunk_size,
+        config=tuning.pallas_config, interpret=interpret_mode())
+    k_last = expand_groups(k_last, H) + B_bias.astype(F32)                               # [Bt, H, N]
+    v_last = V[:, T - 1].astype(F32)
+    return out, Mamba3ScanState(theta, ssm, rotate_pairs(k_last, theta), v_last)
+
+
+def _projected_fits(*, N, S, config):
+    """Whether the fused path runs: the kernels' geometry (projection.fits) and config.fuse_projection."""
+    from pallas_kernels.mamba3_siso import DEFAULT_CONFIG
+    from pallas_kernels.mamba3_siso.qk_norm import fuses_num_angles
+
+    return ((config or DEFAULT_CONFIG).fuse_projection and N >= 16 and N & (N - 1) == 0
+            and fuses_num_angles(S))
+
+
+mamba3_siso_scan_projected_pallas.fits = _projected_fits
+mamba3_siso_scan_pallas.fuses_qk_norm = True   # api.py passes `qk_norm` through (its kernels normalize)
+mamba3_siso_scan_pallas.projected = mamba3_siso_scan_projected_pallas   # projected.py's fused path
 
 
 def implementation():

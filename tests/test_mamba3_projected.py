@@ -1,0 +1,170 @@
+"""`mamba3_siso_scan_projected`: the Mamba-3 scan fed from in_proj's rest block, and its fused Pallas path
+(pallas_kernels/mamba3_siso/projection.py: the per-position work in one kernel each way).
+
+CPU (interpreter): the fused path against the same op with the fusion off (the XLA per-position ops
+around the Pallas scan) and against the all-XLA composition, values and every cotangent (rest, V, z,
+dt_bias, both norm weights, both biases, D, the four initial states); groups, T not a multiple of the
+chunk, S = 0, no gate, bf16; where the fused kernels run and where the composition does (reset masks,
+S = 3, the config switch, other implementations); bad arguments; lowering for an abstract H200.
+GPU (`-m gpu`): the benchmark layer shape fused vs unfused, bit-identical reruns.
+"""
+
+from __future__ import annotations
+
+import warnings
+from unittest import mock
+
+import jax
+import jax.experimental.pallas.fuser  # noqa: F401  (see test_mamba3_scan_pallas.py)
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import assert_close
+from jmamba import ops
+from jmamba.ops import Mamba3ScanState, Mamba3ScanTuning
+from jmamba.ops.mamba3_siso_scan import pallas as pallas_glue
+from pallas_kernels.mamba3_siso import Mamba3ScanConfig
+
+UNFUSED = Mamba3ScanConfig(fuse_projection=False)
+NAMES = ("rest", "V", "z", "dt_bias", "B_norm_weight", "C_norm_weight", "B_bias", "C_bias", "D")
+
+
+def make(shape, dtype, *, with_z=True, with_D=True, with_state=True, seed=0):
+    """Arguments like a Mamba-3 layer's: rest, V, z in `dtype` (rest scaled like in_proj outputs), the
+    parameters float32 and perturbed from their init; shape = (Bt, T, H, G, N, P, S)."""
+    bsz, T, H, G, N, P, S = shape
+    r = np.random.default_rng(seed)
+    f = lambda *s, scale=1.0, dt=jnp.float32: jnp.asarray(scale * r.normal(size=s), dt)
+    args = dict(rest=f(bsz, T, 2 * G * N + 3 * H + S, dt=dtype), V=f(bsz, T, H, P, dt=dtype),
+                z=f(bsz, T, H, P, dt=dtype) if with_z else None, dt_bias=f(H) - 3.0,
+                B_norm_weight=1 + f(N, scale=0.2), C_norm_weight=1 + f(N, scale=0.2),
+                B_bias=1 + f(H, N, scale=0.2), C_bias=1 + f(H, N, scale=0.2), D=f(H) if with_D else None)
+    state = (Mamba3ScanState(f(bsz, H, S), f(bsz, H, P, N), f(bsz, H, N), f(bsz, H, P)) if with_state else None)
+    return args, state, G
+
+
+def run(args, state, G, *, impl="pallas", config=None, reset=None):
+    """(value, gradients) of a scalar of out and the final state."""
+    r = np.random.default_rng(9)
+    bsz, T, H, P = args["V"].shape
+    d_out = jnp.asarray(r.normal(size=(bsz, T, H, P)), jnp.float32)
+
+    def loss(args, state):
+        out, final = ops.mamba3_siso_scan_projected(
+            *[args[k] for k in NAMES], ngroups=G, A_floor=1e-4, norm_eps=1e-5, initial_state=state,
+            return_final_state=True, reset=reset, implementation=impl,
+            tuning=Mamba3ScanTuning(chunk_size=16, pallas_config=config))
+        return jnp.sum(out.astype(jnp.float32) * d_out) + sum(jnp.sum(jnp.cos(s)) for s in final)
+
+    argnums = (0, 1) if state is not None else (0,)
+    return jax.jit(jax.value_and_grad(loss, argnums=argnums))(args, state)
+
+
+def compare(got, want, tol):
+    assert_close("value", got[0], want[0], tol)
+    wanted = dict(jax.tree_util.tree_leaves_with_path(want[1]))
+    for path, g in jax.tree_util.tree_leaves_with_path(got[1]):
+        assert g.dtype == wanted[path].dtype
+        assert_close(jax.tree_util.keystr(path), g, wanted[path], tol)
+
+
+CASES = [
+    ("groups-odd-T-state", (2, 40, 4, 2, 16, 8, 8), jnp.float32, {}, 2e-5),
+    ("bf16", (2, 32, 4, 1, 32, 8, 8), jnp.bfloat16, dict(with_state=False), 1e-2),
+    ("no-angles-no-gate-no-D", (1, 16, 2, 1, 16, 8, 0), jnp.float32, dict(with_z=False, with_D=False), 2e-5),
+    ("model-like-N", (1, 32, 2, 1, 64, 16, 16), jnp.float32, {}, 2e-5),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,options,tol", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_fused_matches_the_unfused_pallas_path(shape, dtype, options, tol):
+    args, state, G = make(shape, dtype, **options)
+    compare(run(args, state, G), run(args, state, G, config=UNFUSED), tol)
+
+
+@pytest.mark.parametrize("shape,options", [(CASES[0][1], {}), (CASES[2][1], CASES[2][3])], ids=["state", "S0"])
+def test_fused_matches_the_xla_composition(shape, options):
+    args, state, G = make(shape, jnp.float32, **options)
+    compare(run(args, state, G), run(args, state, G, impl="xla"), 5e-5)
+
+
+def runs_the_kernels(args, state, G, **kw):
+    jaxpr = jax.make_jaxpr(lambda a: ops.mamba3_siso_scan_projected(
+        *[a[k] for k in NAMES], ngroups=G, A_floor=1e-4, norm_eps=1e-5, initial_state=state,
+        tuning=Mamba3ScanTuning(chunk_size=16, pallas_config=kw.pop("config", None)), **kw))(args)
+    return "mamba3_siso_fwd_projection" in str(jaxpr)
+
+
+def test_the_kernels_run_only_where_they_apply():
+    args, state, G = make((1, 16, 2, 1, 16, 8, 8), jnp.float32)
+    assert runs_the_kernels(args, state, G, implementation="pallas")
+    assert not runs_the_kernels(args, state, G)      # automatic on a CPU: "xla"
+    assert not runs_the_kernels(args, state, G, implementation="pallas", config=UNFUSED)
+    assert not runs_the_kernels(args, state, G, implementation="xla")
+    assert not runs_the_kernels(args, state, G, implementation="reference")
+    odd, odd_state, _ = make((1, 16, 2, 1, 16, 8, 3), jnp.float32)
+    assert not runs_the_kernels(odd, odd_state, G, implementation="pallas")      # S = 3
+    with pytest.raises(NotImplementedError, match="reset"):                       # as the scan op
+        runs_the_kernels(args, state, G, implementation="pallas", reset=jnp.zeros((1, 16), bool))
+
+
+def test_reset_masks_take_the_composition():
+    args, state, G = make((2, 24, 2, 1, 16, 8, 8), jnp.float32)
+    reset = jnp.asarray(np.arange(24)[None, :] == np.array([[5], [17]]))
+    compare(run(args, state, G, impl="xla", reset=reset), run(args, state, G, impl="reference", reset=reset), 5e-5)
+
+
+@pytest.mark.parametrize("change,error,words", [
+    (dict(rest=jnp.zeros((1, 8, 200))), ValueError, "rest must have shape"),
+    (dict(dt_bias=jnp.zeros(3)), ValueError, "dt_bias must have shape"),
+    (dict(C_norm_weight=jnp.zeros(8)), ValueError, "C_norm_weight must have shape"),
+    (dict(ngroups=3), ValueError, "ngroups must be a positive int dividing"),
+    (dict(norm_eps=0.0), ValueError, "norm_eps must be > 0"),
+    (dict(rest=jnp.zeros((1, 8, 2 * 16 + 6 + 8), jnp.int32)), TypeError, "rest"),
+])
+def test_bad_arguments_are_named(change, error, words):
+    args, _, G = make((1, 8, 2, 1, 16, 4, 8), jnp.float32, with_state=False)
+    kw = dict(ngroups=G, A_floor=1e-4, norm_eps=1e-5)
+    for k, v in change.items():
+        (kw if k in kw else args)[k] = v
+    with pytest.raises(error, match=words):
+        ops.mamba3_siso_scan_projected(*[args[k] for k in NAMES], **kw)
+
+
+def test_kernels_lower_for_h200():
+    """Forward + backward at the benchmark layer shape, lowered for an abstract H200: the projection's two
+    kernels beside the scan's eight (and none of the norms' separate ones)."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    bsz, T, H, G, N, P, S = 8, 2048, 24, 1, 128, 64, 32
+    s = jax.ShapeDtypeStruct
+    specs = dict(rest=s((bsz, T, 2 * G * N + 3 * H + S), jnp.bfloat16), V=s((bsz, T, H, P), jnp.bfloat16),
+                 z=s((bsz, T, H, P), jnp.bfloat16), dt_bias=s((H,), jnp.float32), B_norm_weight=s((N,), jnp.float32),
+                 C_norm_weight=s((N,), jnp.float32), B_bias=s((H, N), jnp.float32), C_bias=s((H, N), jnp.float32),
+                 D=s((H,), jnp.float32))
+
+    def loss(a):
+        out = ops.mamba3_siso_scan_projected(*[a[k] for k in NAMES], ngroups=G, A_floor=1e-4, norm_eps=1e-5,
+                                             implementation="pallas", tuning=Mamba3ScanTuning(chunk_size=64))
+        return jnp.sum(out.astype(jnp.float32))
+
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh), \
+            mock.patch.object(pallas_glue, "interpret_mode", return_value=False):
+        warnings.simplefilter("ignore", DeprecationWarning)
+        text = jax.jit(jax.grad(loss)).trace(specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 10
+    assert "mamba3_siso_fwd_projection" in text and "mamba3_siso_bwd_projection" in text
+    assert "qk_norm" not in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1e-2), (jnp.float32, 1e-4)])
+def test_gpu_fused_matches_the_unfused_pallas_path(dtype, tol):
+    args, state, G = make((2, 2048, 24, 1, 128, 64, 32), dtype)
+    got, again = run(args, state, G), run(args, state, G)
+    for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))          # deterministic
+    compare(got, run(args, state, G, config=UNFUSED), tol)
