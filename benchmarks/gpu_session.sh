@@ -54,8 +54,10 @@
 # dx_ab: the Mamba-3 train step with split_dense's custom VJP (default: dx summed with no barrier, so the GEMM
 # rewriter can fold the sum into the matmuls) and with JAX's transpose of the barrier ("+barrierdx").
 # qk_tests / qk_ab: the B/C norms fused with the Mamba-3 kernel layout (pallas_kernels/mamba3_siso/qk_norm.py): its
-# GPU tests; the train step with it (default) and without (fuse_qk_norm=False). s29_ab: both of session 29's
-# changes (qk_norm, split_dense's dx) in a 2x2 of train steps.
+# GPU tests; the train step without it (default until timed) and with it (fuse_qk_norm=True). s29_tests: the GPU
+# tests of session 29's kernels (the Mamba-3 projection and qk_norm kernels, and the log-sum-exp kernel of session
+# 28). s29_ab: the Mamba-3 train step as the defaults stand, with the projection kernels (fuse_projection=True),
+# with the qk_norm kernels alone (fuse_qk_norm=True), and with split_dense's dx behind the barrier (+barrierdx).
 # m1_keep_tests: the mixer core's kept-activation tests (mixer_residuals="activations") with the real kernels.
 # tests: every -m gpu test (~82, ~7 min on an H100: more than one call's other stages leave room for);
 # tests_m3 / tests_rest split it into the Mamba-3 + mixer-core files (~4 min) and everything else (~4 min).
@@ -183,8 +185,9 @@ for s in $stages; do case $s in
   lse_ab)      train_steps mamba1 default default+pallaslse ; train_steps mamba3 default default+pallaslse ;;
   dx_ab)       train_steps mamba3 default default+barrierdx ;;
   qk_tests)    run gpu_tests_qk_norm 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_qk_norm.py -rA ;;
-  qk_ab)       train_steps mamba3 default fuse_qk_norm=False ;;
-  s29_ab)      train_steps mamba3 default fuse_qk_norm=False default+barrierdx fuse_qk_norm=False+barrierdx ;;
+  qk_ab)       train_steps mamba3 default fuse_qk_norm=True ;;
+  s29_tests)   run gpu_tests_s29 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_projected.py tests/test_mamba3_qk_norm.py tests/test_log_sum_exp.py -rA ;;
+  s29_ab)      train_steps mamba3 default fuse_projection=True fuse_qk_norm=True default+barrierdx ;;
   conv_tests)  run gpu_tests_conv 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_causal_conv_pallas.py -rA ;;
   m1_keep_tests) run gpu_tests_m1_kept_activations 150 python3 -m pytest -q -p no:cacheprovider tests/test_mamba1_mixer_core.py -k "kept or checked or reaches" -rA ;;
   e2e3x)       train_steps mamba3 ${E2E3_CFGS:-default} ;;

@@ -26,12 +26,15 @@ from builders import TINY_CHUNK, d_out_batch, gradient_capture, gradient_recorde
 from jmamba.io.checkpoint import restore_checkpoint, save_checkpoint  # noqa: E402
 from jmamba.ops import dispatch  # noqa: E402
 from jmamba.parallel import make_data_mesh, shard_state  # noqa: E402
+from pallas_kernels.mamba3_siso import Mamba3ScanConfig  # noqa: E402
 
 # several Mamba-3 scan chunks per window of 6
 jmamba.ops.set_default_tuning("mamba3_siso_scan", jmamba.ops.Mamba3ScanTuning(chunk_size=TINY_CHUNK))
 
 
 def model_for(arch):
+    if arch == "mamba3_projection":   # d_state 32, 8 angles: a geometry the projection kernels run
+        return tiny_backbone(cfg=jmamba.Mamba3Config(d_model=16, n_layers=2, d_state=32, headdim=8, input_dim=3))
     return tiny_backbone(arch)
 
 
@@ -151,6 +154,18 @@ def case_pallas(fsdp=False):
     return {"grads": max_rel(multi.opt_state, _SINGLE["pallas"].opt_state)}
 
 
+def case_pallas_mamba3_projection():
+    """The Mamba-3 projection kernels (pallas_kernels/mamba3_siso/projection.py, interpreted) inside the
+    sharded step: rest and the states split over `data`, the norm weights and dt_bias replicated (their
+    gradients summed by shard_map's transpose)."""
+    tuning = jmamba.ops.Mamba3ScanTuning(chunk_size=TINY_CHUNK,
+                                         pallas_config=Mamba3ScanConfig(fuse_projection=True))
+    with dispatch.prefer("mamba3_siso_scan", "pallas"), jmamba.ops.tuning("mamba3_siso_scan", tuning):
+        single = run_fused("mamba3_projection", None, False, steps=1, opt=CAPTURE)[0]
+        multi, _ = run_fused("mamba3_projection", make_data_mesh(), False, steps=1, opt=CAPTURE)
+    return {"grads": max_rel(multi.opt_state, single.opt_state)}
+
+
 _SINGLE = {}    # one-device runs shared by cases: {arch: run_recorded(...)}, {"pallas": state}
 _SHARDED = {}   # case_fused's mesh states, {(arch, fsdp): state}: case_checkpoint saves the FSDP one
 
@@ -164,6 +179,7 @@ CASES = {
     "checkpoint": case_checkpoint,
     "pallas_fsdp": lambda: case_pallas(fsdp=True),
     "pallas": case_pallas,
+    "pallas_mamba3_projection": case_pallas_mamba3_projection,
 }
 
 if __name__ == "__main__":

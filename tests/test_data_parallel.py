@@ -41,7 +41,7 @@ def test_sharded_checkpoint_round_trip_keeps_shardings(results):
     assert results["checkpoint"] == {"equal": True, "same_sharding": True}
 
 
-@pytest.mark.parametrize("case", ["pallas", "pallas_fsdp"])
+@pytest.mark.parametrize("case", ["pallas", "pallas_fsdp", "pallas_mamba3_projection"])
 def test_pallas_kernel_runs_per_device_inside_shard_map(results, case):
     r = results[case]
     assert r["grads"] <= 1e-6, r

@@ -26,6 +26,7 @@ from jmamba.ops import Mamba3ScanState, Mamba3ScanTuning
 from jmamba.ops.mamba3_siso_scan import pallas as pallas_glue
 from pallas_kernels.mamba3_siso import Mamba3ScanConfig
 
+FUSED = Mamba3ScanConfig(fuse_projection=True)      # off by default until timed on a GPU
 UNFUSED = Mamba3ScanConfig(fuse_projection=False)
 NAMES = ("rest", "V", "z", "dt_bias", "B_norm_weight", "C_norm_weight", "B_bias", "C_bias", "D")
 
@@ -44,7 +45,7 @@ def make(shape, dtype, *, with_z=True, with_D=True, with_state=True, seed=0):
     return args, state, G
 
 
-def run(args, state, G, *, impl="pallas", config=None, reset=None):
+def run(args, state, G, *, impl="pallas", config=FUSED, reset=None):
     """(value, gradients) of a scalar of out and the final state."""
     r = np.random.default_rng(9)
     bsz, T, H, P = args["V"].shape
@@ -92,7 +93,7 @@ def test_fused_matches_the_xla_composition(shape, options):
 def runs_the_kernels(args, state, G, **kw):
     jaxpr = jax.make_jaxpr(lambda a: ops.mamba3_siso_scan_projected(
         *[a[k] for k in NAMES], ngroups=G, A_floor=1e-4, norm_eps=1e-5, initial_state=state,
-        tuning=Mamba3ScanTuning(chunk_size=16, pallas_config=kw.pop("config", None)), **kw))(args)
+        tuning=Mamba3ScanTuning(chunk_size=16, pallas_config=kw.pop("config", FUSED)), **kw))(args)
     return "mamba3_siso_fwd_projection" in str(jaxpr)
 
 
@@ -100,6 +101,7 @@ def test_the_kernels_run_only_where_they_apply():
     args, state, G = make((1, 16, 2, 1, 16, 8, 8), jnp.float32)
     assert runs_the_kernels(args, state, G, implementation="pallas")
     assert not runs_the_kernels(args, state, G)      # automatic on a CPU: "xla"
+    assert not runs_the_kernels(args, state, G, implementation="pallas", config=None)   # off by default
     assert not runs_the_kernels(args, state, G, implementation="pallas", config=UNFUSED)
     assert not runs_the_kernels(args, state, G, implementation="xla")
     assert not runs_the_kernels(args, state, G, implementation="reference")
@@ -146,7 +148,8 @@ def test_kernels_lower_for_h200():
 
     def loss(a):
         out = ops.mamba3_siso_scan_projected(*[a[k] for k in NAMES], ngroups=G, A_floor=1e-4, norm_eps=1e-5,
-                                             implementation="pallas", tuning=Mamba3ScanTuning(chunk_size=64))
+                                             implementation="pallas",
+                                             tuning=Mamba3ScanTuning(chunk_size=64, pallas_config=FUSED))
         return jnp.sum(out.astype(jnp.float32))
 
     device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")

@@ -100,15 +100,16 @@ def op_loss(impl, fuse, arrays, state, wq, wk, d, config=None):
     return (jnp.sum(out.astype(jnp.float32) * d["out"]) + sum(jnp.sum(s * c) for s, c in zip(final, d["final"])))
 
 
+FUSED = Mamba3ScanConfig(fuse_qk_norm=True)       # off by default until timed on a GPU
 UNFUSED = Mamba3ScanConfig(fuse_qk_norm=False)
 
 
 @pytest.mark.parametrize("impl,shape,dtype,config,tol", [
     ("reference", (2, 20, 4, 2, 16, 8, 4), jnp.float32, None, 1e-6),
     ("xla", (2, 20, 4, 2, 16, 8, 4), jnp.float32, None, 1e-6),
-    ("pallas", (2, 40, 4, 2, 32, 8, 8), jnp.float32, None, 2e-5),       # fused; T not a multiple of the chunk
-    ("pallas", (2, 40, 4, 1, 32, 8, 8), jnp.bfloat16, None, 3e-2),
-    ("pallas", (2, 24, 2, 1, 20, 8, 3), jnp.float32, None, 2e-5),       # S = 3: rms_norm in the glue
+    ("pallas", (2, 40, 4, 2, 32, 8, 8), jnp.float32, FUSED, 2e-5),      # fused; T not a multiple of the chunk
+    ("pallas", (2, 40, 4, 1, 32, 8, 8), jnp.bfloat16, FUSED, 3e-2),
+    ("pallas", (2, 24, 2, 1, 20, 8, 3), jnp.float32, FUSED, 2e-5),      # S = 3: rms_norm in the glue
     ("pallas", (2, 24, 2, 1, 16, 8, 8), jnp.float32, UNFUSED, 1e-6),    # fuse_qk_norm=False: rms_norm too
 ], ids=["reference", "xla", "pallas-fused", "pallas-fused-bf16", "pallas-unfused-S3", "pallas-not-fused-by-config"])
 def test_the_op_normalizes_as_rms_norm_before_it(impl, shape, dtype, config, tol):
@@ -182,7 +183,7 @@ def test_fused_kernels_lower_for_h200():
 
     def loss(vals, wq, wk):
         out = mamba3_siso_scan(*[vals[k] for k in ARRAYS], implementation="pallas", qk_norm=Mamba3QKNorm(wq, wk, EPS),
-                               tuning=Mamba3ScanTuning(chunk_size=64))
+                               tuning=Mamba3ScanTuning(chunk_size=64, pallas_config=FUSED))
         return jnp.sum(out.astype(jnp.float32))
 
     device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
@@ -206,7 +207,7 @@ def test_gpu_the_op_normalizes_as_rms_norm_before_it(dtype, tol):
     d = dict(out=jnp.asarray(r.normal(size=(2, 2048, 24, 64)), jnp.float32),
              final=[jnp.asarray(r.normal(size=s.shape), jnp.float32) for s in state])
     grad = lambda fuse: jax.jit(jax.value_and_grad(
-        lambda arrays, state, wq, wk: op_loss("pallas", fuse, arrays, state, wq, wk, d), argnums=(0, 1, 2, 3)))
+        lambda arrays, state, wq, wk: op_loss("pallas", fuse, arrays, state, wq, wk, d, FUSED), argnums=(0, 1, 2, 3)))
     got = grad(True)(arrays, state, wq, wk)
     again = grad(True)(arrays, state, wq, wk)
     want = grad(False)(arrays, state, wq, wk)
@@ -217,8 +218,8 @@ def test_gpu_the_op_normalizes_as_rms_norm_before_it(dtype, tol):
         assert_close("cotangent", g, w, tol)
 
 
-@pytest.mark.parametrize("S,config,fused", [(8, None, True), (8, UNFUSED, False), (3, None, False)],
-                         ids=["fused", "off-by-config", "S3"])
+@pytest.mark.parametrize("S,config,fused", [(8, FUSED, True), (8, UNFUSED, False), (8, None, False), (3, FUSED, False)],
+                         ids=["fused", "off-by-config", "off-by-default", "S3"])
 def test_the_kernels_run_only_where_they_apply(S, config, fused):
     arrays, _ = mamba3_scan_inputs((1, 16, 2, 1, 16, 4, S), jnp.float32, per_head_angles=False, with_states=False)
     w = jnp.ones(16)

@@ -152,16 +152,17 @@ class Mamba3ScanConfig:
         query/key kernel 265 → 204 µs, kernel sum 2125 → 2064 µs, train step 82.1 → 80.9 ms; GPU
         tests (shared and per-head angles) passed.
       fuse_qk_norm: when the op is given the B/C norms (`mamba3_siso_scan(..., qk_norm=...)`, as the
-        Mamba-3 mixer does), normalize Q and K inside the layout step (qk_norm.py: one kernel forward,
+        Mamba-3 mixer's composition path does), normalize Q and K inside the layout step (qk_norm.py: one kernel forward,
         one backward, in place of the norms' and the layout's XLA passes both ways); False normalizes
         them with `jmamba.ops.rms_norm` first and keeps the XLA layout step (as before 2026-12-06,
-        session 29). On by default; CPU-tested (interpreter, Triton 3.6 compile for sm_90a), not yet
-        timed on a GPU (benchmarks/notes_mamba3_scan.md v18).
+        session 29). Off by default until its GPU tests and train-step A/B have run
+        (gpu_session.sh s29_tests s29_ab); CPU-tested (interpreter, Triton 3.6 compile for sm_90a).
       fuse_projection: `mamba3_siso_scan_projected` (the Mamba-3 mixer's call) runs the per-position
         work between in_proj's rest block and the core (the B/C norms and layout, A, DT, ADT, the
         trapezoid weights, the angles; backward d rest in one write) as projection.py's two kernels;
-        False runs it as XLA ops around `mamba3_siso_scan` (with fuse_qk_norm for the norms). On by
-        default; CPU-tested, not yet timed on a GPU (notes_mamba3_scan.md v18).
+        False runs it as XLA ops around `mamba3_siso_scan` (with fuse_qk_norm for the norms). Off by
+        default until its GPU tests and train-step A/B have run (gpu_session.sh s29_tests s29_ab;
+        notes_mamba3_scan.md v18); CPU-tested (interpreter, Triton 3.6 compile for sm_90a).
     """
 
     state_block_p: int = 16
@@ -195,8 +196,8 @@ class Mamba3ScanConfig:
     skip_in_scores: bool = True
     fast_rotation: bool = True
     fast_rotation_backward: bool | None = False
-    fuse_qk_norm: bool = True
-    fuse_projection: bool = True
+    fuse_qk_norm: bool = False
+    fuse_projection: bool = False
 
     def validate(self) -> "Mamba3ScanConfig":
         for name in ("state_block_p", "walk_block_p", "num_warps_walk", "num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad",
