@@ -160,7 +160,7 @@ def test_kernels_lower_for_h200():
         text = jax.jit(jax.grad(loss)).trace(specs).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 10
     assert "mamba3_siso_fwd_projection" in text and "mamba3_siso_bwd_projection" in text
-    assert "qk_norm" not in text
+    assert "mamba3_siso_fwd_qk_norm" not in text and "mamba3_siso_bwd_qk_norm" not in text
 
 
 @pytest.mark.gpu
