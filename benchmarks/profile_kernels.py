@@ -136,6 +136,7 @@ def gap_report(intervals, iters):
 
 CATEGORIES = (   # (category, substrings of XLA / Pallas kernel names), first match wins
     ("selective-scan kernels", ("selective_scan",)),
+    ("Mamba-3 per-position kernels", ("mamba3_siso_fwd_projection", "mamba3_siso_bwd_projection", "qk_norm")),
     ("Mamba-3 kernels", ("mamba3",)),
     ("fused AdamW", ("adamw",)),
     ("add + RMSNorm kernels", ("rms_norm",)),

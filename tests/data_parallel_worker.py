@@ -163,7 +163,9 @@ def case_pallas_mamba3_projection():
     with dispatch.prefer("mamba3_siso_scan", "pallas"), jmamba.ops.tuning("mamba3_siso_scan", tuning):
         single = run_fused("mamba3_projection", None, False, steps=1, opt=CAPTURE)[0]
         multi, _ = run_fused("mamba3_projection", make_data_mesh(), False, steps=1, opt=CAPTURE)
-    return {"grads": max_rel(multi.opt_state, single.opt_state)}
+        x = jnp.zeros((2, 6, 3))
+        ran = "mamba3_siso_fwd_projection" in str(jax.make_jaxpr(lambda x: model_for("mamba3_projection")(x))(x))
+    return {"grads": max_rel(multi.opt_state, single.opt_state), "projection_kernels_ran": ran}
 
 
 _SINGLE = {}    # one-device runs shared by cases: {arch: run_recorded(...)}, {"pallas": state}

@@ -45,3 +45,4 @@ def test_sharded_checkpoint_round_trip_keeps_shardings(results):
 def test_pallas_kernel_runs_per_device_inside_shard_map(results, case):
     r = results[case]
     assert r["grads"] <= 1e-6, r
+    assert r.get("projection_kernels_ran", True), r

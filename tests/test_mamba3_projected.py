@@ -75,6 +75,7 @@ CASES = [
     ("bf16", (2, 32, 4, 1, 32, 8, 8), jnp.bfloat16, dict(with_state=False), 1e-2),
     ("no-angles-no-gate-no-D", (1, 16, 2, 1, 16, 8, 0), jnp.float32, dict(with_z=False, with_D=False), 2e-5),
     ("model-like-N", (1, 32, 2, 1, 64, 16, 16), jnp.float32, {}, 2e-5),
+    ("six-heads-three-groups", (1, 20, 6, 3, 16, 8, 8), jnp.float32, {}, 2e-5),
 ]
 
 
@@ -84,7 +85,9 @@ def test_fused_matches_the_unfused_pallas_path(shape, dtype, options, tol):
     compare(run(args, state, G), run(args, state, G, config=UNFUSED), tol)
 
 
-@pytest.mark.parametrize("shape,options", [(CASES[0][1], {}), (CASES[2][1], CASES[2][3])], ids=["state", "S0"])
+@pytest.mark.parametrize("shape,options", [(CASES[0][1], {}), (CASES[2][1], CASES[2][3]),
+                                           ((1, 33, 6, 2, 16, 8, 0), dict(with_z=False))],
+                         ids=["state", "S0", "six-heads-two-groups-odd-T"])
 def test_fused_matches_the_xla_composition(shape, options):
     args, state, G = make(shape, jnp.float32, **options)
     compare(run(args, state, G), run(args, state, G, impl="xla"), 5e-5)
@@ -107,11 +110,15 @@ def test_the_kernels_run_only_where_they_apply():
     assert not runs_the_kernels(args, state, G, implementation="reference")
     odd, odd_state, _ = make((1, 16, 2, 1, 16, 8, 3), jnp.float32)
     assert not runs_the_kernels(odd, odd_state, G, implementation="pallas")      # S = 3
+    wide = Mamba3ScanConfig(fuse_projection=True, min_width=32)                  # N = 16 < min_width: no raise
+    assert not runs_the_kernels(args, state, G, implementation="pallas", config=wide)
     with pytest.raises(NotImplementedError, match="reset"):                       # as the scan op
         runs_the_kernels(args, state, G, implementation="pallas", reset=jnp.zeros((1, 16), bool))
 
 
-def test_reset_masks_take_the_composition():
+def test_reset_masks_run_through_the_composition():
+    """With reset masks (which the Pallas scan refuses) the op is the composition: "xla" equals the
+    sequential reference through it, states and every cotangent included."""
     args, state, G = make((2, 24, 2, 1, 16, 8, 8), jnp.float32)
     reset = jnp.asarray(np.arange(24)[None, :] == np.array([[5], [17]]))
     compare(run(args, state, G, impl="xla", reset=reset), run(args, state, G, impl="reference", reset=reset), 5e-5)
@@ -124,10 +131,16 @@ def test_reset_masks_take_the_composition():
     (dict(ngroups=3), ValueError, "ngroups must be a positive int dividing"),
     (dict(norm_eps=0.0), ValueError, "norm_eps must be > 0"),
     (dict(rest=jnp.zeros((1, 8, 2 * 16 + 6 + 8), jnp.int32)), TypeError, "rest"),
+    (dict(D=jnp.zeros(1)), ValueError, "D must have shape"),
+    (dict(z=jnp.zeros((1, 8, 2, 5))), ValueError, "z must have shape"),
+    (dict(B_bias=jnp.zeros(16)), ValueError, "B_bias must have shape"),
+    (dict(C_bias=jnp.zeros((2, 8))), ValueError, "C_bias must have shape"),
 ])
-def test_bad_arguments_are_named(change, error, words):
+@pytest.mark.parametrize("config", [None, FUSED], ids=["composition", "fused"])
+def test_bad_arguments_are_named(change, error, words, config):
     args, _, G = make((1, 8, 2, 1, 16, 4, 8), jnp.float32, with_state=False)
-    kw = dict(ngroups=G, A_floor=1e-4, norm_eps=1e-5)
+    kw = dict(ngroups=G, A_floor=1e-4, norm_eps=1e-5, implementation="pallas",
+              tuning=Mamba3ScanTuning(chunk_size=16, pallas_config=config))
     for k, v in change.items():
         (kw if k in kw else args)[k] = v
     with pytest.raises(error, match=words):
@@ -171,3 +184,29 @@ def test_gpu_fused_matches_the_unfused_pallas_path(dtype, tol):
     for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(again)):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))          # deterministic
     compare(got, run(args, state, G, config=UNFUSED), tol)
+
+
+def test_a_mamba3_mixer_with_the_kernels_matches_the_xla_mixer():
+    """The mixer's window (output, final state and every parameter gradient) with the projection kernels
+    on (interpreted) against the same mixer on the XLA implementation."""
+    from flax import nnx
+
+    from jmamba.mamba3 import Mamba3Config
+    from jmamba.mamba3.mixer import Mamba3Mixer
+
+    mixer = Mamba3Mixer(Mamba3Config(d_model=16, n_layers=1, d_state=32, headdim=8), rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 20, 16)), jnp.float32)
+    graph, params = nnx.split(mixer)
+
+    def loss(params, x):
+        out, final = nnx.merge(graph, params)(x)
+        return jnp.sum(jnp.sin(out)) + sum(jnp.sum(jnp.cos(s)) for s in final)
+
+    got = {}
+    for impl, config in (("pallas", FUSED), ("xla", None)):
+        with ops.dispatch.prefer("mamba3_siso_scan", impl), \
+                ops.tuning("mamba3_siso_scan", Mamba3ScanTuning(chunk_size=16, pallas_config=config)):
+            got[impl] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+            if impl == "pallas":
+                assert "mamba3_siso_fwd_projection" in str(jax.make_jaxpr(loss)(params, x))
+    compare(got["pallas"], got["xla"], 5e-5)

@@ -18,7 +18,7 @@ a fixed order. The per-head backward is `jax.vjp` of `per_head` inside the kerne
 Rows past the window (T up to whole chunks; `rest` is zero-padded there) give zeros everywhere and add
 nothing to the partials, so the padding steps are identity steps with zero input.
 
-Geometry: `fits(geo)` (d_state a power of two >= 16, S = 0 or a power of two >= 8: every column
+Geometry: `fits(geo)` (d_state a power of two >= the config's min_width, S = 0 or a power of two >= 8: every column
 piece is exact, no masking). Grid: programs (b, c) over batch rows and chunks; each handles the
 chunk's L rows for every group and head.
 """
@@ -45,10 +45,16 @@ NUM_WARPS_BACKWARD = 8
 PerHead = Callable[..., tuple]   # (dd_dt, dd_A, trap, dt_bias) [L] each -> (ADT, DT, γ, β/α) [L] float32
 
 
+def fits_shape(N: int, S: int, config) -> bool:
+    """Whether the kernels handle d_state N with S rotated pairs under `config` (a Mamba3ScanConfig): the
+    kernel layout must be the raw row permuted, with no padding columns (N a power of two, at least the
+    config's min_width; S = 0 or a power of two >= 8)."""
+    return N >= config.min_width and N & (N - 1) == 0 and fuses_num_angles(S)
+
+
 def fits(geo: ScanGeometry) -> bool:
     """Whether the kernels handle this geometry (module docstring)."""
-    N = geo.d_state
-    return N >= 16 and N & (N - 1) == 0 and fuses_num_angles(geo.num_angles) and geo.padded_state == N
+    return fits_shape(geo.d_state, geo.num_angles, geo.config) and geo.padded_state == geo.d_state
 
 
 def columns(geo: ScanGeometry):
@@ -240,8 +246,8 @@ def projection(geo: ScanGeometry, rest, dt_bias, K_weight, Q_weight, seqlen, eps
       (Kk, Qk, ADT, DT, γ, β/α, angles or None), see `projection_forward`.
     """
     if not fits(geo):
-        raise ValueError(f"projection: d_state N={geo.d_state} must be a power of two >= 16 and num_angles "
-                         f"S={geo.num_angles} 0 or a power of two >= 8 (fits)")
+        raise ValueError(f"projection: d_state N={geo.d_state} must be a power of two >= min_width "
+                         f"({geo.config.min_width}) and num_angles S={geo.num_angles} 0 or a power of two >= 8 (fits)")
     return projection_forward(geo, rest, dt_bias.astype(F32), K_weight.astype(F32), Q_weight.astype(F32),
                               seqlen=seqlen, eps=eps, per_head=per_head)
 

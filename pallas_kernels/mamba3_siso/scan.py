@@ -73,7 +73,8 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, dt, angl
         over d_state into the kernel layout by qk_norm.py's kernels (S = 0 or a power of two >= 8).
 
     Returns:
-      (out [Bt, T, H, P] in V.dtype, ssm_final [Bt, H, P, N] float32, θ_final [Bt, H, S] float32).
+      (out [Bt, T, H, P] in V.dtype, ssm_final [Bt, H, P, N] float32, θ_final [Bt, H, S] float32), and with
+      qk_norm a fourth, K's normalized last row [Bt, G, N] float32 (as the kernels used it).
     """
     bsz, T, H, P = V.shape
     G, N = Q.shape[2:]
@@ -105,7 +106,10 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, dt, angl
         _pad_headdim(geo, to_kernel_layout(geo, s0), axis=2),
         jnp.zeros((H,), F32) if D is None else D.astype(F32))
     out, final = chunked_core(geo, *core_args)
-    return out[:, :T, :, :P], from_kernel_layout(geo, final[:, :, :P]), theta_final
+    result = out[:, :T, :, :P], from_kernel_layout(geo, final[:, :, :P]), theta_final
+    if qk_norm is not None:
+        result += (from_kernel_layout(geo, Kk[:, T - 1].astype(F32)),)
+    return result
 
 
 def chunk_entry_angles(geo: ScanGeometry, rate, dt, angle0):

@@ -92,13 +92,12 @@ def mamba3_siso_scan_pallas(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, z
         state = Mamba3ScanState(*(x.astype(F32) for x in initial_state))
         angle0, s0 = state.angle, entering_ssm(state, prev_weight[:, 0])
     angles = Angles.astype(F32) if S else None     # [Bt, T, 1 or H, S] raw: π·tanh(angles)·DT inside the kernels
-    out, ssm, theta = chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, DT.astype(F32), angle0, s0, z,
-                                   chunk_size=tuning.chunk_size, config=tuning.pallas_config,
-                                   interpret=interpret_mode(), qk_norm=fused_norm)
-    K_last = K[:, T - 1]                                                                 # [Bt, G, N]
-    if fused_norm is not None:
-        K_last = rms_norm(K_last, qk_norm.K_weight, qk_norm.eps, K.dtype)
-    k_last = expand_groups(K_last.astype(F32), H) + K_bias.astype(F32)                  # [Bt, H, N]
+    out, ssm, theta, *normalized = chunked_scan(
+        Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, DT.astype(F32), angle0, s0, z,
+        chunk_size=tuning.chunk_size, config=tuning.pallas_config, interpret=interpret_mode(), qk_norm=fused_norm)
+    # the last key as the kernels used it (normalized by them with qk_norm)
+    K_last = normalized[0] if normalized else K[:, T - 1].astype(F32)                    # [Bt, G, N]
+    k_last = expand_groups(K_last, H) + K_bias.astype(F32)                              # [Bt, H, N]
     return out, Mamba3ScanState(theta, ssm, rotate_pairs(k_last, theta), V[:, T - 1].astype(F32))
 
 
@@ -124,12 +123,12 @@ def mamba3_siso_scan_projected_pallas(rest, V, z, initial_state, dt_bias, B_norm
 
 
 def _projected_fits(*, N, S, config):
-    """Whether the fused path runs: the kernels' geometry (projection.fits) and config.fuse_projection."""
+    """Whether the fused path runs: config.fuse_projection and the kernels' geometry (projection.fits_shape)."""
     from pallas_kernels.mamba3_siso import DEFAULT_CONFIG
-    from pallas_kernels.mamba3_siso.qk_norm import fuses_num_angles
+    from pallas_kernels.mamba3_siso.projection import fits_shape
 
-    return ((config or DEFAULT_CONFIG).fuse_projection and N >= 16 and N & (N - 1) == 0
-            and fuses_num_angles(S))
+    config = config or DEFAULT_CONFIG
+    return config.fuse_projection and fits_shape(N, S, config)
 
 
 mamba3_siso_scan_projected_pallas.fits = _projected_fits

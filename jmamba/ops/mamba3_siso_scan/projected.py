@@ -25,7 +25,7 @@ import functools
 from jmamba.core.validation import check_array, check_bool, check_float, shape_of
 from jmamba.ops import dispatch
 from jmamba.ops.batch_sharding import call_batch_sharded
-from jmamba.ops.mamba3_siso_scan.api import OP, check_state, mamba3_siso_scan
+from jmamba.ops.mamba3_siso_scan.api import OP, mamba3_siso_scan, normalize_arguments
 from jmamba.ops.mamba3_siso_scan.common import Mamba3QKNorm, Mamba3ScanState
 from jmamba.ops.mamba3_siso_scan.per_position import projected_inputs
 from jmamba.ops.sequence_sharding import sequence_sharded
@@ -63,6 +63,8 @@ def mamba3_siso_scan_projected(rest, V, z, dt_bias, B_norm_weight, C_norm_weight
         raise ValueError(f"rest must have shape [batch, seqlen, 2·G·N + 3·H + S] = [{bsz}, {T}, {2 * G * N + 3 * H} + S] "
                          f"with 0 <= S <= N/2 = {N // 2} (G={G}, N={N}, H={H}), got {shape_of(rest)}")
     check_array("dt_bias", dt_bias, (H,), "[nheads]")
+    check_array("B_bias", B_bias, (H, N), "[nheads, d_state]")
+    check_array("C_bias", C_bias, (H, N), "[nheads, d_state]")
     check_bool("return_final_state", return_final_state)
     A_floor, norm_eps = float(A_floor), float(norm_eps)
     if not norm_eps > 0 or not A_floor >= 0:
@@ -70,6 +72,9 @@ def mamba3_siso_scan_projected(rest, V, z, dt_bias, B_norm_weight, C_norm_weight
     tuning = current_tuning(OP, tuning)
     B, C, ADT, DT, trap, angles = projected_inputs(rest, dt_bias, ngroups=G, d_state=N, nheads=H, A_floor=A_floor)
     qk_norm = Mamba3QKNorm(C_norm_weight, B_norm_weight, norm_eps)
+    # every argument checked as the scan checks it, whichever path runs (z, D, the biases, the state, reset)
+    _, _, _, _, _, _, _, _, shared_angles, _, _, states, reset_mask = normalize_arguments(
+        C, B, V, ADT, DT, trap, C_bias, B_bias, angles, D, z, initial_state, reset)
 
     def composition(impl_name):
         return mamba3_siso_scan(C, B, V, ADT, DT, trap, C_bias, B_bias, angles, D, z, initial_state=initial_state,
@@ -78,11 +83,11 @@ def mamba3_siso_scan_projected(rest, V, z, dt_bias, B_norm_weight, C_norm_weight
 
     if T == 0:
         return composition(implementation)
-    states = None if initial_state is None else check_state(initial_state, bsz, H, P, N, S)
-    impl = dispatch.choose(OP, implementation, Q=C, V=V, Angles=angles[..., None, :], initial_state=states,
-                           reset=reset, tuning=tuning)
+    impl = dispatch.choose(OP, implementation, Q=C, V=V, Angles=shared_angles, initial_state=states,
+                           reset=reset_mask, tuning=tuning)
     fused = getattr(impl.fn, "projected", None)
-    if fused is None or reset is not None or sequence_sharded() or not fused.fits(
+    # (a reset mask never reaches here with the Pallas scan: its `supported` refuses them)
+    if fused is None or reset_mask is not None or sequence_sharded() or not fused.fits(
             N=N, S=S, config=tuning.pallas_config):
         return composition(implementation)
     run = functools.partial(fused, groups=G, A_floor=A_floor, eps=norm_eps, tuning=tuning)
