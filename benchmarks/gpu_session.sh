@@ -58,6 +58,7 @@
 # tests of session 29's kernels (the Mamba-3 projection and qk_norm kernels, and the log-sum-exp kernel of session
 # 28). s29_ab: the Mamba-3 train step as the defaults stand, with the projection kernels (fuse_projection=True),
 # with the qk_norm kernels alone (fuse_qk_norm=True), and with split_dense's dx behind the barrier (+barrierdx).
+# proj_bench: bench_mamba3_projection.py, the op alone (XLA ops / qk_norm kernels / projection kernels).
 # m1_keep_tests: the mixer core's kept-activation tests (mixer_residuals="activations") with the real kernels.
 # tests: every -m gpu test (~82, ~7 min on an H100: more than one call's other stages leave room for);
 # tests_m3 / tests_rest split it into the Mamba-3 + mixer-core files (~4 min) and everything else (~4 min).
@@ -187,6 +188,7 @@ for s in $stages; do case $s in
   qk_tests)    run gpu_tests_qk_norm 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_qk_norm.py -rA ;;
   qk_ab)       train_steps mamba3 default fuse_qk_norm=True ;;
   s29_tests)   run gpu_tests_s29 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_projected.py tests/test_mamba3_qk_norm.py tests/test_log_sum_exp.py -rA ;;
+  proj_bench)  run mamba3_projection_bench 200 python3 benchmarks/bench_mamba3_projection.py ;;
   s29_ab)      train_steps mamba3 default fuse_projection=True fuse_qk_norm=True default+barrierdx ;;
   conv_tests)  run gpu_tests_conv 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_causal_conv_pallas.py -rA ;;
   m1_keep_tests) run gpu_tests_m1_kept_activations 150 python3 -m pytest -q -p no:cacheprovider tests/test_mamba1_mixer_core.py -k "kept or checked or reaches" -rA ;;

@@ -21,6 +21,7 @@ EXPECTED = {
     "bench_host_dispatch.py": ("state", {"TrainState.create", "nnx trees"}),
     "bench_mamba1_mixer.py": ("variant", {"fused-pallas", "unfused", "xla"}),
     "bench_mamba3_scan.py": ("impl", {"pallas", "xla", "reference"}),
+    "bench_mamba3_projection.py": ("variant", {"xla ops", "qk_norm kernels", "projection kernels"}),
     "bench_rms_norm.py": ("variant", {"xla", "pallas r8 w4"}),
     "bench_mosaic_forward.py": ("variant", {"triton", "mosaic c16"}),
     "bench_scaling.py": ("mode", {"dp", "fsdp", "seq"}),
