@@ -60,3 +60,26 @@ def assert_directional_gradients(loss, args, rng, *, directions=2, h=1e-6, tol=1
                 f"{jax.tree_util.keystr(path)}: finite difference {num:.9g} vs grad {ana:.9g}"
             checked += 1
     return checked
+
+
+def lowered_for_h200(fn, *specs, glue_modules=()):
+    """The StableHLO text of `jax.jit(fn)` traced on `specs` and lowered for an abstract H200 on this CPU
+    (the Pallas kernels go through the Triton lowering, so an op it does not support fails here). Each
+    module in `glue_modules` gets `interpret_mode` patched to False (the ops' glue then compiles the
+    kernels instead of interpreting them)."""
+    import contextlib
+    import warnings
+    from unittest import mock
+
+    import jax
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    with contextlib.ExitStack() as stack:
+        for module in glue_modules:
+            stack.enter_context(mock.patch.object(module, "interpret_mode", return_value=False))
+        stack.enter_context(warnings.catch_warnings())
+        warnings.simplefilter("ignore", DeprecationWarning)   # "the Pallas Triton backend is deprecated"
+        stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
+        return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()

@@ -11,16 +11,13 @@ GPU (`-m gpu`): the benchmark layer shape fused vs unfused, bit-identical reruns
 
 from __future__ import annotations
 
-import warnings
-from unittest import mock
-
 import jax
 import jax.experimental.pallas.fuser  # noqa: F401  (see test_mamba3_scan_pallas.py)
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_close
+from helpers import assert_close, lowered_for_h200
 from jmamba import ops
 from jmamba.ops import Mamba3ScanState, Mamba3ScanTuning
 from jmamba.ops.mamba3_siso_scan import pallas as pallas_glue
@@ -150,8 +147,6 @@ def test_bad_arguments_are_named(change, error, words, config):
 def test_kernels_lower_for_h200():
     """Forward + backward at the benchmark layer shape, lowered for an abstract H200: the projection's two
     kernels beside the scan's eight (and none of the norms' separate ones)."""
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
-
     bsz, T, H, G, N, P, S = 8, 2048, 24, 1, 128, 64, 32
     s = jax.ShapeDtypeStruct
     specs = dict(rest=s((bsz, T, 2 * G * N + 3 * H + S), jnp.bfloat16), V=s((bsz, T, H, P), jnp.bfloat16),
@@ -165,12 +160,7 @@ def test_kernels_lower_for_h200():
                                              tuning=Mamba3ScanTuning(chunk_size=64, pallas_config=FUSED))
         return jnp.sum(out.astype(jnp.float32))
 
-    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh), \
-            mock.patch.object(pallas_glue, "interpret_mode", return_value=False):
-        warnings.simplefilter("ignore", DeprecationWarning)
-        text = jax.jit(jax.grad(loss)).trace(specs).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_h200(jax.grad(loss), specs, glue_modules=(pallas_glue,))
     assert text.count("__gpu$xla.gpu.triton") == 10
     assert "mamba3_siso_fwd_projection" in text and "mamba3_siso_bwd_projection" in text
     assert "mamba3_siso_fwd_qk_norm" not in text and "mamba3_siso_bwd_qk_norm" not in text

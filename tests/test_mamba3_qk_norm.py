@@ -12,9 +12,6 @@ abstract H200. GPU (`-m gpu`): the op at the benchmark shape against the unfused
 from __future__ import annotations
 
 import functools
-import warnings
-from unittest import mock
-
 import jax
 import jax.experimental.pallas.fuser  # noqa: F401  (see test_mamba3_scan_pallas.py)
 import jax.numpy as jnp
@@ -23,7 +20,7 @@ import pytest
 
 from builders import MAMBA3_ARRAYS as ARRAYS
 from builders import mamba3_scan_inputs
-from helpers import assert_close
+from helpers import assert_close, lowered_for_h200
 from jmamba import ops
 from jmamba.ops import Mamba3QKNorm, Mamba3ScanTuning, mamba3_siso_scan
 from jmamba.ops.mamba3_siso_scan import pallas as pallas_glue
@@ -171,8 +168,6 @@ def test_bad_qk_norm_is_named(qk_norm, error, words):
 def test_fused_kernels_lower_for_h200():
     """Forward + backward of the op with qk_norm at the benchmark shape, lowered for an abstract H200: the
     two qk_norm kernels beside the scan's eight."""
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
-
     shape = (8, 2048, 24, 1, 128, 64, 32)
     arrays, _ = mamba3_scan_inputs((1, 1) + shape[2:], jnp.bfloat16, per_head_angles=False, with_states=False)
     specs = {k: None if v is None else jax.ShapeDtypeStruct((8, 2048) + v.shape[2:] if v.ndim > 2 else v.shape, v.dtype)
@@ -185,12 +180,7 @@ def test_fused_kernels_lower_for_h200():
                                tuning=Mamba3ScanTuning(chunk_size=64, pallas_config=FUSED))
         return jnp.sum(out.astype(jnp.float32))
 
-    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh), \
-            mock.patch.object(pallas_glue, "interpret_mode", return_value=False):
-        warnings.simplefilter("ignore", DeprecationWarning)
-        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(specs, w, w).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_h200(jax.grad(loss, argnums=(0, 1, 2)), specs, w, w, glue_modules=(pallas_glue,))
     assert text.count("__gpu$xla.gpu.triton") == 10
     assert "mamba3_siso_fwd_qk_norm" in text and "mamba3_siso_bwd_qk_norm" in text
 
