@@ -36,7 +36,7 @@ from pallas_kernels.common.dtypes import F32
 from pallas_kernels.common.grid import FlatGrid
 from pallas_kernels.common.launch import run_kernel
 from pallas_kernels.mamba3_siso.config import ScanGeometry
-from pallas_kernels.mamba3_siso.qk_norm import column_pieces, fuses_num_angles
+from pallas_kernels.mamba3_siso.qk_norm import column_pieces, fuses_num_angles, norm_backward, row_scale
 
 # Triton warps per program (the backward keeps a group's x̂, g and dy [L, N] of B and of C live in turn).
 NUM_WARPS_FORWARD = 4
@@ -87,14 +87,6 @@ def _raw_pieces(refs, geo, name, g, rows):
     return [_masked(refs["rest"][:, _cols(p, offset)].astype(F32), rows) for p in column_pieces(geo)]
 
 
-def _scale(xs, n, eps):
-    total = None
-    for x in xs:
-        part = jnp.sum(x * x, axis=1)
-        total = part if total is None else total + part
-    return jax.lax.rsqrt(total / n + eps)[:, None]                                  # [L, 1]
-
-
 def _per_head_inputs(refs, geo, h, rows):
     c = columns(geo)
     vals = [refs["rest"][:, c[k] + h].astype(F32) for k in ("dd_dt", "dd_A", "trap")]
@@ -114,7 +106,7 @@ def _forward_body(refs, *, geo: ScanGeometry, seqlen, eps, per_head: PerHead, fl
     for name, out_name, w_name in (("B", "Kk", "K_weight"), ("C", "Qk", "Q_weight")):
         for g in range(geo.groups):
             xs = _raw_pieces(refs, geo, name, g, rows)
-            r = _scale(xs, geo.d_state, eps)
+            r = row_scale(xs, geo.d_state, eps)
             for p, x in zip(pieces, xs):
                 w = refs[w_name][_cols(p, 0)].astype(F32)
                 refs[out_name][:, g, pl.ds(p[0], p[1])] = (x * r * w[None, :]).astype(refs[out_name].dtype)
@@ -131,25 +123,19 @@ def _backward_body(refs, *, geo: ScanGeometry, seqlen, eps, per_head: PerHead, f
     rows = _row_mask(geo, seqlen, flat.coordinate(pl.program_id(0), 1))
     pieces, out = column_pieces(geo), refs["d_rest"]
     for name, cot_name, w_name in (("B", "dKk", "K_weight"), ("C", "dQk", "Q_weight")):
-        w_total = None
+        w_total = [None] * len(pieces)
         for g in range(geo.groups):
             xs = _raw_pieces(refs, geo, name, g, rows)
-            r = _scale(xs, geo.d_state, eps)
-            xhats, gs, dys, total = [], [], [], None
-            for p, x in zip(pieces, xs):
-                xhat = x * r
-                dy = _masked(refs[cot_name][:, g, pl.ds(p[0], p[1])].astype(F32), rows)
-                gp = dy * refs[w_name][_cols(p, 0)].astype(F32)[None, :]
-                part = jnp.sum(gp * xhat, axis=1)
-                total = part if total is None else total + part
-                xhats.append(xhat), gs.append(gp), dys.append(dy)
-            mean = (total / geo.d_state)[:, None]
             offset = columns(geo)[name] + g * geo.d_state
-            dws = []
-            for p, xhat, gp, dy in zip(pieces, xhats, gs, dys):
-                out[:, _cols(p, offset)] = (r * (gp - xhat * mean)).astype(out.dtype)
-                dws.append(jnp.sum(dy * xhat, axis=0))
-            w_total = dws if w_total is None else [a + b for a, b in zip(w_total, dws)]
+
+            def store(i, dx, dw, offset=offset):
+                out[:, _cols(pieces[i], offset)] = dx.astype(out.dtype)
+                w_total[i] = dw if w_total[i] is None else w_total[i] + dw
+
+            norm_backward(
+                xs, lambda i: _masked(refs[cot_name][:, g, pl.ds(pieces[i][0], pieces[i][1])].astype(F32), rows),
+                lambda i: refs[w_name][_cols(pieces[i], 0)].astype(F32), row_scale(xs, geo.d_state, eps),
+                geo.d_state, store)
         for p, dw in zip(pieces, w_total):
             refs["d_" + w_name][_cols(p, 0)] = dw
     f = _per_head_masked(per_head, rows)
@@ -261,7 +247,7 @@ def _bwd(geo, seqlen, eps, per_head, residuals, cotangents):
     rest, dt_bias, K_weight, Q_weight = residuals
     d_rest, d_bias, dKw, dQw = projection_backward(
         geo, rest, dt_bias.astype(F32), K_weight.astype(F32), Q_weight.astype(F32),
-        tuple(None if c is None else c for c in cotangents), seqlen=seqlen, eps=eps, per_head=per_head)
+        cotangents, seqlen=seqlen, eps=eps, per_head=per_head)
     return d_rest, d_bias.astype(dt_bias.dtype), dKw.astype(K_weight.dtype), dQw.astype(Q_weight.dtype)
 
 

@@ -76,18 +76,38 @@ def _cols(piece):
     return pl.ds(raw, width, stride) if stride > 1 else pl.ds(raw, width)
 
 
-def _row_scale(xs, n, eps):
+def row_scale(xs, n, eps):
+    """r = 1/√(Σ x²/n + eps) [L, 1] of a row split into float32 column pieces xs [L, width] (n the true
+    column count: padding columns are zeros)."""
     total = None
     for x in xs:
         part = jnp.sum(x * x, axis=1)
         total = part if total is None else total + part
-    return jax.lax.rsqrt(total / n + eps)                                           # [L]
+    return jax.lax.rsqrt(total / n + eps)[:, None]
+
+
+def norm_backward(xs, load_dy, load_w, r, n, store):
+    """The backward of y = (x·r)·w over the float32 pieces of x [L, width]: dy and w of piece i come from
+    load_dy(i) [L, width] and load_w(i) [width] as the walk reaches them, and store(i, dx, dw partial)
+    takes each piece's results at once (fewer live registers than whole lists): x̂ = x·r, g = dy·w,
+    dx = r·(g − x̂·Σ g·x̂ / n), dw = Σ_rows dy·x̂ (the reference's formulas)."""
+    xhats, gs, dys, total = [], [], [], None
+    for i, x in enumerate(xs):
+        xhat = x * r
+        dy = load_dy(i)
+        g = dy * load_w(i)[None, :]
+        part = jnp.sum(g * xhat, axis=1)
+        total = part if total is None else total + part
+        xhats.append(xhat), gs.append(g), dys.append(dy)
+    mean = (total / n)[:, None]
+    for i, (xhat, g, dy) in enumerate(zip(xhats, gs, dys)):
+        store(i, r * (g - xhat * mean), jnp.sum(dy * xhat, axis=0))
 
 
 def _forward_body(refs, *, pieces, n, eps):
     for name in ("Q", "K"):
         xs = [refs[name][:, _cols(p)].astype(F32) for p in pieces]
-        r = _row_scale(xs, n, eps)[:, None]
+        r = row_scale(xs, n, eps)
         out = refs[name + "k"]
         for p, x in zip(pieces, xs):
             w = refs[name + "_weight"][_cols(p)].astype(F32)
@@ -97,19 +117,13 @@ def _forward_body(refs, *, pieces, n, eps):
 def _backward_body(refs, *, pieces, n, eps):
     for name in ("Q", "K"):
         xs = [refs[name][:, _cols(p)].astype(F32) for p in pieces]
-        r = _row_scale(xs, n, eps)[:, None]
-        xhats, gs, dys, total = [], [], [], None
-        for p, x in zip(pieces, xs):
-            xhat = x * r
-            dy = refs["d" + name + "k"][:, pl.ds(p[0], p[1])].astype(F32)
-            g = dy * refs[name + "_weight"][_cols(p)].astype(F32)[None, :]
-            part = jnp.sum(g * xhat, axis=1)
-            total = part if total is None else total + part
-            xhats.append(xhat), gs.append(g), dys.append(dy)
-        mean = (total / n)[:, None]
-        for p, xhat, g, dy in zip(pieces, xhats, gs, dys):
-            refs["d" + name][:, _cols(p)] = (r * (g - xhat * mean)).astype(refs["d" + name].dtype)
-            refs["d" + name + "_weight"][_cols(p)] = jnp.sum(dy * xhat, axis=0)
+
+        def store(i, dx, dw, name=name):
+            refs["d" + name][:, _cols(pieces[i])] = dx.astype(refs["d" + name].dtype)
+            refs["d" + name + "_weight"][_cols(pieces[i])] = dw
+
+        norm_backward(xs, lambda i: refs["d" + name + "k"][:, pl.ds(pieces[i][0], pieces[i][1])].astype(F32),
+                      lambda i: refs[name + "_weight"][_cols(pieces[i])].astype(F32), row_scale(xs, n, eps), n, store)
 
 
 def _grid(geo: ScanGeometry, groups):

@@ -97,15 +97,8 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, dt, angl
     else:
         Q_weight, K_weight, eps = qk_norm
         Qk, Kk = normalized_kernel_layout(geo, _pad_time(geo, Q), _pad_time(geo, K), Q_weight, K_weight, eps)
-    core_args = (
-        Qk, Kk,
-        to_kernel_layout(geo, Q_bias.astype(F32)), to_kernel_layout(geo, K_bias.astype(F32)),
-        _pad_time(geo, scale), angles, dt, theta_entry,
-        _pad_headdim(geo, _pad_time(geo, V)), None if Z is None else _pad_headdim(geo, _pad_time(geo, Z)),
-        _pad_time(geo, ADT.astype(F32)), _pad_time(geo, gamma.astype(F32)),   # zero padding: ADT = 0 is the identity decay
-        _pad_headdim(geo, to_kernel_layout(geo, s0), axis=2),
-        jnp.zeros((H,), F32) if D is None else D.astype(F32))
-    out, final = chunked_core(geo, *core_args)
+    out, final = _run_core(geo, Qk, Kk, Q_bias, K_bias, _pad_time(geo, scale), angles, dt, theta_entry, V, Z,
+                           _pad_time(geo, ADT.astype(F32)), _pad_time(geo, gamma.astype(F32)), s0, D)
     result = out[:, :T, :, :P], from_kernel_layout(geo, final[:, :, :P]), theta_final
     if qk_norm is not None:
         result += (from_kernel_layout(geo, Kk[:, T - 1].astype(F32)),)
@@ -136,6 +129,20 @@ def chunk_entry_angles(geo: ScanGeometry, rate, dt, angle0):
     before = jnp.tril(jnp.ones((nc + 1, nc + 1), F32))
     running = jnp.mod(jnp.einsum("ck,bkhs->bchs", before, terms, precision=HI), TWO_PI)
     return running[:, :-1], running[:, -1]
+
+
+def _run_core(geo: ScanGeometry, Qk, Kk, Q_bias, K_bias, scale, angles, dt, theta_entry, V, Z, adt, gamma, s0, D):
+    """`chunked_core` on operands whose per-position arrays are already time-padded (Qk, Kk in the kernel
+    layout): the biases and s0 laid out, V, Z padded (time, headdim), D zeros when None. Returns (out
+    [Bt, Tp, H, Pp], final state [Bt, H, Pp, Np]) as the core does."""
+    H = V.shape[2]
+    return chunked_core(
+        geo, Qk, Kk, to_kernel_layout(geo, Q_bias.astype(F32)), to_kernel_layout(geo, K_bias.astype(F32)),
+        scale, angles, dt, theta_entry,
+        _pad_headdim(geo, _pad_time(geo, V)), None if Z is None else _pad_headdim(geo, _pad_time(geo, Z)),
+        adt, gamma,      # zero time padding: ADT = 0 is the identity decay
+        _pad_headdim(geo, to_kernel_layout(geo, s0), axis=2),
+        jnp.zeros((H,), F32) if D is None else D.astype(F32))
 
 
 def _pad_time(geo: ScanGeometry, x):
@@ -188,12 +195,7 @@ def projected_scan(rest, V, dt_bias, K_weight, Q_weight, Q_bias, K_bias, D, init
     theta_entry, theta_final = None, angle0
     if S:
         theta_entry, theta_final = chunk_entry_angles(geo, angle_rate(angles), dt, angle0)
-    core_args = (
-        Qk, Kk, to_kernel_layout(geo, Q_bias.astype(F32)), to_kernel_layout(geo, K_bias.astype(F32)),
-        scale, angles, dt if S else None, theta_entry,
-        _pad_headdim(geo, _pad_time(geo, V)), None if Z is None else _pad_headdim(geo, _pad_time(geo, Z)),
-        adt, gamma, _pad_headdim(geo, to_kernel_layout(geo, s0), axis=2),
-        jnp.zeros((H,), F32) if D is None else D.astype(F32))
-    out, final = chunked_core(geo, *core_args)
+    out, final = _run_core(geo, Qk, Kk, Q_bias, K_bias, scale, angles, dt if S else None, theta_entry, V, Z,
+                           adt, gamma, s0, D)
     k_last = from_kernel_layout(geo, Kk[:, T - 1].astype(F32))
     return out[:, :T, :, :P], from_kernel_layout(geo, final[:, :, :P]), theta_final, k_last

@@ -18,7 +18,7 @@ Implementations:
 Numerics: every block is the matmul of x and its column block (as one matmul's); dw in w.dtype and dx in
 x.dtype, each product rounded to that dtype as JAX's own transpose rounds it. The two implementations
 differ only in where dx's sum is rounded (on a GPU, with the GEMM rewriter's accumulation, the sum is
-formed in the matmul's float32 epilogue). On CPU they agree to the last bit in float32 and float64.
+formed in the matmul's float32 epilogue). On CPU they agree to the last bit (tested in float32 and bfloat16).
 
 Implementation contract:
 
