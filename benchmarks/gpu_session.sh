@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh [stage ...]     stages: tests m3_tests m3_bench m3_profile adamw_tests adamw
 #                                                  e2e1 e2e3 e2e1_old e2e3_old remat1 noguard1 soak decode dp2
 #                                                  anchors_build side_ops side_train side_long e2e1_prof e2e3p e2e1_long
-#                                                  mixer_bench scan_sweep e2e1_dump e2e3_dump (profile + optimized HLO)
+#                                                  mixer_bench scan_sweep e2e1_dump e2e3_dump (profile + optimized HLO; M3_PROF_CFG=K=V,... a scan config)
 #                                                  conv_bench tests_m1 scan_parallel e2e3_prof gpu_auto
 #                                                  e2e1_nocb e2e1_cb (command buffers off / widened, XLA_FLAGS)
 #                                                  mosaic_fwd (the Mosaic GPU scan prototypes: GPU tests, forward
@@ -51,14 +51,18 @@
 # composition ("+xlanorm" suffix: --prefer add_rms_norm=xla).
 # lse_tests / lse_ab: the one-pass log-sum-exp kernel (jmamba.ops.log_sum_exp): its GPU tests, the train steps
 # with the kernel ("+pallaslse": --prefer log_sum_exp=pallas) and without (the default until then).
-# dx_ab: the Mamba-3 train step with split_dense's custom VJP (default: dx summed with no barrier, so the GEMM
-# rewriter can fold the sum into the matmuls) and with JAX's transpose of the barrier ("+barrierdx").
+# dx_ab: the Mamba-3 train step with split_dense's default ("reference": JAX's transpose of the barrier) and with
+# its custom VJP ("+sumdx": dx summed with no barrier; slower on an H100, session 30).
 # qk_tests / qk_ab: the B/C norms fused with the Mamba-3 kernel layout (pallas_kernels/mamba3_siso/qk_norm.py): its
 # GPU tests; the train step without it (default until timed) and with it (fuse_qk_norm=True). s29_tests: the GPU
 # tests of session 29's kernels (the Mamba-3 projection and qk_norm kernels, and the log-sum-exp kernel of session
 # 28). s29_ab: the Mamba-3 train step as the defaults stand, with the projection kernels (fuse_projection=True),
-# with the qk_norm kernels alone (fuse_qk_norm=True), and with split_dense's dx behind the barrier (+barrierdx).
-# proj_bench: bench_mamba3_projection.py, the op alone (XLA ops / qk_norm kernels / projection kernels).
+# with the qk_norm kernels alone (fuse_qk_norm=True), and with split_dense's dx behind the barrier (+barrierdx; the
+# default since session 30: +sumdx is the other one).
+# proj_bench: bench_mamba3_projection.py, the op alone (XLA ops / qk_norm kernels / projection kernels, the last
+# with 1, 2 and 4 programs per chunk). proj_tests: the projection kernels' GPU tests. proj_ab: the Mamba-3 train
+# step as the defaults stand and with the projection kernels at 1, 2 and 4 programs per chunk (session 30's
+# [L, HP] head block; notes_mamba3_scan.md v19).
 # m1_keep_tests: the mixer core's kept-activation tests (mixer_residuals="activations") with the real kernels.
 # tests: every -m gpu test (~82, ~7 min on an H100: more than one call's other stages leave room for);
 # tests_m3 / tests_rest split it into the Mamba-3 + mixer-core files (~4 min) and everything else (~4 min).
@@ -127,6 +131,7 @@ train_steps() {  # arch, configs ("default" or K=V,..., each with optional +keep
     case $cfg in *+xlanorm*) prefer="$prefer,add_rms_norm=xla" ;; esac
     case $cfg in *+pallaslse*) prefer="$prefer,log_sum_exp=pallas" ;; esac
     case $cfg in *+barrierdx*) prefer="$prefer,split_dense=reference" ;; esac
+    case $cfg in *+sumdx*) prefer="$prefer,split_dense=xla" ;; esac
     [ -n "$prefer" ] && extra="$extra --prefer ${prefer#,}"
     cfg=${cfg%%+*}; [ "$cfg" = default ] && cfg=""
     run e2e_${arch}_$tag 130 python3 benchmarks/bench_train_step.py --arch $arch --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze $extra ${cfg:+--scan-config $cfg} ; done
@@ -184,11 +189,14 @@ for s in $stages; do case $s in
   norm_ab)     train_steps mamba1 default default+xlanorm ; train_steps mamba3 default default+xlanorm ;;
   lse_tests)   run gpu_tests_lse 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_log_sum_exp.py -rA ;;
   lse_ab)      train_steps mamba1 default default+pallaslse ; train_steps mamba3 default default+pallaslse ;;
-  dx_ab)       train_steps mamba3 default default+barrierdx ;;
+  dx_ab)       train_steps mamba3 default default+sumdx ;;
   qk_tests)    run gpu_tests_qk_norm 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_qk_norm.py -rA ;;
   qk_ab)       train_steps mamba3 default fuse_qk_norm=True ;;
-  s29_tests)   run gpu_tests_s29 380 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_projected.py tests/test_mamba3_qk_norm.py tests/test_log_sum_exp.py -rA ;;
+  s29_tests)   run gpu_tests_s29 380 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_mamba3_projected.py tests/test_mamba3_qk_norm.py tests/test_log_sum_exp.py -rA ;;
   proj_bench)  run mamba3_projection_bench 200 python3 benchmarks/bench_mamba3_projection.py ;;
+  proj_tests)  run gpu_tests_projection 240 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_mamba3_projected.py -rA ;;
+  proj_ab)     train_steps mamba3 default fuse_projection=True fuse_projection=True,projection_row_splits=2 \
+                 fuse_projection=True,projection_row_splits=4,num_warps_projection=2,num_warps_projection_grad=4 ;;
   s29_ab)      train_steps mamba3 default fuse_projection=True fuse_qk_norm=True default+barrierdx ;;
   conv_tests)  run gpu_tests_conv 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_causal_conv_pallas.py -rA ;;
   m1_keep_tests) run gpu_tests_m1_kept_activations 150 python3 -m pytest -q -p no:cacheprovider tests/test_mamba1_mixer_core.py -k "kept or checked or reaches" -rA ;;
@@ -259,7 +267,7 @@ for s in $stages; do case $s in
   e2e3p)       run e2e_mamba3 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 ;;
   e2e1_dump)   run e2e_mamba1_profile 200 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 6 --warmup 2 --steady 10 --profile 3 --xla-dump /tmp/hlo1 ;
                pack_hlo /tmp/hlo1 "$OUT/hlo_mamba1.txt.gz" ;;
-  e2e3_dump)   run e2e_mamba3_profile 200 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 6 --warmup 2 --steady 10 --profile 3 --xla-dump /tmp/hlo3 ;
+  e2e3_dump)   run e2e_mamba3_profile 200 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 6 --warmup 2 --steady 10 --profile 3 --xla-dump /tmp/hlo3 ${M3_PROF_CFG:+--scan-config $M3_PROF_CFG} ;
                pack_hlo /tmp/hlo3 "$OUT/hlo_mamba3.txt.gz" ;;
   conv_bench)  run causal_conv_bench 150 python3 benchmarks/bench_causal_conv.py ;;
   tests_m1)    run gpu_tests_mamba1 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_causal_conv_pallas.py tests/test_mamba1_mixer_core.py tests/test_selective_scan_pallas.py -rA --durations=20 ;;

@@ -6,7 +6,8 @@ around the Pallas scan) and against the all-XLA composition, values and every co
 dt_bias, both norm weights, both biases, D, the four initial states); groups, T not a multiple of the
 chunk, S = 0, no gate, bf16; where the fused kernels run and where the composition does (reset masks,
 S = 3, the config switch, other implementations); bad arguments; lowering for an abstract H200.
-GPU (`-m gpu`): the benchmark layer shape fused vs unfused, bit-identical reruns.
+GPU (`-m gpu`): the benchmark layer shape and one whose masked head window reaches past rest's last
+column (H = 6, S = 0), fused vs unfused, bit-identical reruns.
 """
 
 from __future__ import annotations
@@ -90,6 +91,29 @@ def test_fused_matches_the_xla_composition(shape, options):
     compare(run(args, state, G), run(args, state, G, impl="xla"), 5e-5)
 
 
+@pytest.mark.parametrize("splits", [2, 16], ids=["8-rows", "1-row"])
+def test_row_splits_change_nothing(splits):
+    """More, smaller programs (projection_row_splits; chunk 16) give the one-program-per-chunk values and
+    cotangents: T = 42 ends inside a row block (the row mask) and the partials are per program."""
+    args, state, G = make((2, 42, 6, 2, 16, 8, 8), jnp.float32, seed=3)
+    split = Mamba3ScanConfig(fuse_projection=True, projection_row_splits=splits, num_warps_projection=2,
+                             num_warps_projection_grad=4)
+    compare(run(args, state, G, config=split), run(args, state, G), 2e-6)
+
+
+def test_more_row_splits_than_chunk_rows_is_refused_by_name():
+    args, state, G = make((1, 16, 2, 1, 16, 8, 8), jnp.float32)
+    with pytest.raises(ValueError, match="projection_row_splits \\(32\\) must be <= the chunk length \\(16\\)"):
+        run(args, state, G, config=Mamba3ScanConfig(fuse_projection=True, projection_row_splits=32))
+
+
+@pytest.mark.parametrize("field,value", [("projection_row_splits", 3), ("projection_row_splits", 0),
+                                         ("num_warps_projection", 6), ("num_warps_projection_grad", 64)])
+def test_bad_projection_launch_settings_are_named(field, value):
+    with pytest.raises(ValueError, match=f"Mamba3ScanConfig.{field} must be"):
+        Mamba3ScanConfig(**{field: value}).validate()
+
+
 def runs_the_kernels(args, state, G, **kw):
     jaxpr = jax.make_jaxpr(lambda a: ops.mamba3_siso_scan_projected(
         *[a[k] for k in NAMES], ngroups=G, A_floor=1e-4, norm_eps=1e-5, initial_state=state,
@@ -167,9 +191,12 @@ def test_kernels_lower_for_h200():
 
 
 @pytest.mark.gpu
+# the second shape: trap's masked [L, 8] head window reaches past rest's last column (R = 2GN + 3H)
+@pytest.mark.parametrize("shape", [(2, 2048, 24, 1, 128, 64, 32), (2, 200, 6, 3, 16, 8, 0)],
+                         ids=["benchmark-layer", "six-heads-S0-odd-T"])
 @pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1e-2), (jnp.float32, 1e-4)])
-def test_gpu_fused_matches_the_unfused_pallas_path(dtype, tol):
-    args, state, G = make((2, 2048, 24, 1, 128, 64, 32), dtype)
+def test_gpu_fused_matches_the_unfused_pallas_path(shape, dtype, tol):
+    args, state, G = make(shape, dtype)
     got, again = run(args, state, G), run(args, state, G)
     for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(again)):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))          # deterministic

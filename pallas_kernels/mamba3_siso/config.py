@@ -155,14 +155,21 @@ class Mamba3ScanConfig:
         Mamba-3 mixer's composition path does), normalize Q and K inside the layout step (qk_norm.py: one kernel forward,
         one backward, in place of the norms' and the layout's XLA passes both ways); False normalizes
         them with `jmamba.ops.rms_norm` first and keeps the XLA layout step (as before 2026-12-06,
-        session 29). Off by default until its GPU tests and train-step A/B have run
-        (gpu_session.sh s29_tests s29_ab); CPU-tested (interpreter, Triton 3.6 compile for sm_90a).
+        session 29). Off: its GPU tests pass (H100, session 30), but alone it does not pay (the op
+        forward 0.645 -> 0.718 ms, fwd+bwd 2.246 -> 2.243 ms at the benchmark layer, bench_mamba3_projection.py).
       fuse_projection: `mamba3_siso_scan_projected` (the Mamba-3 mixer's call) runs the per-position
         work between in_proj's rest block and the core (the B/C norms and layout, A, DT, ADT, the
         trapezoid weights, the angles; backward d rest in one write) as projection.py's two kernels;
-        False runs it as XLA ops around `mamba3_siso_scan` (with fuse_qk_norm for the norms). Off by
-        default until its GPU tests and train-step A/B have run (gpu_session.sh s29_tests s29_ab;
-        notes_mamba3_scan.md v18); CPU-tested (interpreter, Triton 3.6 compile for sm_90a).
+        False runs it as XLA ops around `mamba3_siso_scan` (with fuse_qk_norm for the norms). Off: its
+        GPU tests pass, but the first version (a loop over heads of [L] columns) cost 3.2 ms per step and
+        saved 2.6 (H100, session 30: train step 82.4 -> 83.5 ms; the backward kernel 93 µs per layer,
+        latency-bound). The heads are now one [L, HP] block (backward 7352 -> 4216 SASS instructions),
+        untimed (gpu_session.sh proj_ab; notes_mamba3_scan.md v19).
+      projection_row_splits: programs per chunk of the projection kernels (a power of two; each takes
+        chunk / splits rows, at least 1): more, smaller programs (fewer registers each, more of them per
+        SM) for the same values. The weight-gradient partials are per program, summed in a fixed order.
+      num_warps_projection, num_warps_projection_grad: Triton warps of the projection forward / backward
+        kernels (4 / 8: the backward holds a group's x̂, g and dy [rows, N] of B and of C in turn).
     """
 
     state_block_p: int = 16
@@ -198,11 +205,14 @@ class Mamba3ScanConfig:
     fast_rotation_backward: bool | None = False
     fuse_qk_norm: bool = False
     fuse_projection: bool = False
+    projection_row_splits: int = 1
+    num_warps_projection: int = 4
+    num_warps_projection_grad: int = 8
 
     def validate(self) -> "Mamba3ScanConfig":
         for name in ("state_block_p", "walk_block_p", "num_warps_walk", "num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad",
                      "num_warps_qk", "num_warps_qk_grad", "num_warps_head_grad", "qk_grad_blocks", "min_width", "min_chunk",
-                     "max_chunk"):
+                     "max_chunk", "projection_row_splits", "num_warps_projection", "num_warps_projection_grad"):
             v = getattr(self, name)
             if not is_power_of_2(v):
                 raise ValueError(f"Mamba3ScanConfig.{name} must be a positive power of two, got {v!r}")
@@ -211,7 +221,7 @@ class Mamba3ScanConfig:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be >= 16 (Triton's dots need every dimension >= 16), "
                                  f"got {getattr(self, name)!r}")
         for name in ("num_warps_state", "num_warps_walk", "num_warps_local", "num_warps_chunk", "num_warps_grad", "num_warps_qk",
-                     "num_warps_qk_grad", "num_warps_head_grad"):
+                     "num_warps_qk_grad", "num_warps_head_grad", "num_warps_projection", "num_warps_projection_grad"):
             if getattr(self, name) > 32:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be <= 32 (Triton's limit), got {getattr(self, name)!r}")
         if self.min_chunk > self.max_chunk:

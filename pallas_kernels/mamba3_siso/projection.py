@@ -19,8 +19,13 @@ Rows past the window (T up to whole chunks; `rest` is zero-padded there) give ze
 nothing to the partials, so the padding steps are identity steps with zero input.
 
 Geometry: `fits(geo)` (d_state a power of two >= the config's min_width, S = 0 or a power of two >= 8: every column
-piece is exact, no masking). Grid: programs (b, c) over batch rows and chunks; each handles the
-chunk's L rows for every group and head.
+piece is exact, no masking). Grid: programs (b, j) over batch rows and row blocks of L' = chunk /
+`config.projection_row_splits` rows; each handles its L' rows for every group and head (the work is
+per row, so any split gives the same values; the weight-gradient partials are per program). The heads
+are one [L', HP] block (HP = H rounded up to a power of two; loads and stores masked past H on the GPU,
+zero-padded in the interpreter): a loop over heads of [L] columns strided by R was latency-bound
+(93 µs per layer backward on an H100, session 30). Warps: `config.num_warps_projection` forward,
+`num_warps_projection_grad` backward.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.common.dtypes import F32
 from pallas_kernels.common.grid import FlatGrid
@@ -38,11 +44,7 @@ from pallas_kernels.common.launch import run_kernel
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 from pallas_kernels.mamba3_siso.qk_norm import column_pieces, fuses_num_angles, norm_backward, row_scale
 
-# Triton warps per program (the backward keeps a group's x̂, g and dy [L, N] of B and of C live in turn).
-NUM_WARPS_FORWARD = 4
-NUM_WARPS_BACKWARD = 8
-
-PerHead = Callable[..., tuple]   # (dd_dt, dd_A, trap, dt_bias) [L] each -> (ADT, DT, γ, β/α) [L] float32
+PerHead = Callable[..., tuple]   # elementwise: (dd_dt, dd_A, trap, dt_bias) -> (ADT, DT, γ, β/α), float32 [L, HP] each
 
 
 def fits_shape(N: int, S: int, config) -> bool:
@@ -63,16 +65,23 @@ def columns(geo: ScanGeometry):
     return dict(B=0, C=G * N, dd_dt=2 * G * N, dd_A=2 * G * N + H, trap=2 * G * N + 2 * H, angles=2 * G * N + 3 * H)
 
 
+def block_rows(geo: ScanGeometry) -> int:
+    """Rows per program: the chunk split into `config.projection_row_splits` blocks."""
+    return geo.chunk // geo.config.projection_row_splits
+
+
 def _cols(piece, offset):
     _, width, raw, stride = piece
     return pl.ds(offset + raw, width, stride) if stride > 1 else pl.ds(offset + raw, width)
 
 
 def _row_mask(geo: ScanGeometry, seqlen, chunk):
-    """[L] bool, True on rows inside the window, or None when the window is whole chunks."""
+    """[rows] bool, True on the program's rows inside the window, or None when the window is whole chunks
+    (no padding rows: they must give zeros, and the per-head formulas of a zero row do not)."""
+    rows = block_rows(geo)
     if seqlen % geo.chunk == 0:
         return None
-    return chunk * geo.chunk + jnp.arange(geo.chunk) < seqlen
+    return chunk * rows + jnp.arange(rows) < seqlen
 
 
 def _masked(x, rows):
@@ -87,10 +96,49 @@ def _raw_pieces(refs, geo, name, g, rows):
     return [_masked(refs["rest"][:, _cols(p, offset)].astype(F32), rows) for p in column_pieces(geo)]
 
 
-def _per_head_inputs(refs, geo, h, rows):
+def head_width(geo: ScanGeometry) -> int:
+    """HP: the heads' window width, H rounded up to a power of two (Triton's tensors are powers of two)."""
+    return 1 << max(geo.heads - 1, 0).bit_length()
+
+
+def _head_window(ref, start, geo: ScanGeometry):
+    """(index of ref's columns start .. start + HP (all leading axes whole), mask [.., HP] of the first H)."""
+    H, HP = geo.heads, head_width(geo)
+    lead = (slice(None),) * (len(ref.shape) - 1)
+    # A traced start: pl.ds's static bounds check does not know the mask, and the window may reach past
+    # the block's last column (trap's window when S < HP - H; the [H]-wide outputs). Masked lanes are
+    # never accessed.
+    start = start + 0 * pl.program_id(0)
+    mask = (jnp.arange(HP) < H).reshape((1,) * len(lead) + (HP,))
+    return lead + (pl.ds(start, HP),), mask
+
+
+def _load_heads(ref, start, geo: ScanGeometry):
+    """ref[.., start : start + H] as float32 [.., HP], zero past H."""
+    H, HP = geo.heads, head_width(geo)
+    if geo.interpret or HP == H:     # the interpreter clamps a window past the edge and does not mask
+        x = ref[(slice(None),) * (len(ref.shape) - 1) + (pl.ds(start, H),)].astype(F32)
+        return x if HP == H else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, HP - H)])
+    index, mask = _head_window(ref, start, geo)
+    return plt.load(ref.at[index], mask=mask, other=0.0).astype(F32)
+
+
+def _store_heads(ref, start, value, geo: ScanGeometry):
+    """ref[.., start : start + H] = value[.., :H] (value [.., HP])."""
+    H, HP = geo.heads, head_width(geo)
+    value = value.astype(ref.dtype)
+    if geo.interpret or HP == H:
+        ref[(slice(None),) * (len(ref.shape) - 1) + (pl.ds(start, H),)] = value[..., :H]
+        return
+    index, mask = _head_window(ref, start, geo)
+    plt.store(ref.at[index], value, mask=mask)
+
+
+def _per_head_inputs(refs, geo):
+    """(dd_dt, dd_A, trap, dt_bias) float32 [L, HP] for every head at once (columns past H zero)."""
     c = columns(geo)
-    vals = [refs["rest"][:, c[k] + h].astype(F32) for k in ("dd_dt", "dd_A", "trap")]
-    bias = jnp.zeros_like(vals[0]) + refs["dt_bias"][h]
+    vals = [_load_heads(refs["rest"], c[k], geo) for k in ("dd_dt", "dd_A", "trap")]
+    bias = jnp.zeros_like(vals[0]) + _load_heads(refs["dt_bias"], 0, geo)[None, :]
     return vals + [bias]
 
 
@@ -111,9 +159,8 @@ def _forward_body(refs, *, geo: ScanGeometry, seqlen, eps, per_head: PerHead, fl
                 w = refs[w_name][_cols(p, 0)].astype(F32)
                 refs[out_name][:, g, pl.ds(p[0], p[1])] = (x * r * w[None, :]).astype(refs[out_name].dtype)
     f = _per_head_masked(per_head, rows)
-    for h in range(geo.heads):
-        for out_name, v in zip(("adt", "dt", "gamma", "prev_weight"), f(*_per_head_inputs(refs, geo, h, rows))):
-            refs[out_name][:, h] = v.astype(F32)
+    for out_name, v in zip(("adt", "dt", "gamma", "prev_weight"), f(*_per_head_inputs(refs, geo))):
+        _store_heads(refs[out_name], 0, v, geo)
     if geo.num_angles:
         a = refs["rest"][:, pl.ds(columns(geo)["angles"], geo.num_angles)].astype(F32)
         refs["angles"][:, 0, :] = _masked(a, rows)
@@ -140,20 +187,19 @@ def _backward_body(refs, *, geo: ScanGeometry, seqlen, eps, per_head: PerHead, f
             refs["d_" + w_name][_cols(p, 0)] = dw
     f = _per_head_masked(per_head, rows)
     c = columns(geo)
-    for h in range(geo.heads):
-        _, pullback = jax.vjp(f, *_per_head_inputs(refs, geo, h, rows))
-        cot = tuple(refs[k][:, h].astype(F32) for k in ("d_adt", "d_dt", "d_gamma", "d_prev_weight"))
-        d_dd_dt, d_dd_A, d_trap, d_bias = pullback(cot)
-        for k, v in (("dd_dt", d_dd_dt), ("dd_A", d_dd_A), ("trap", d_trap)):
-            out[:, c[k] + h] = v.astype(out.dtype)
-        refs["d_dt_bias"][h] = jnp.sum(d_bias)
+    _, pullback = jax.vjp(f, *_per_head_inputs(refs, geo))
+    d_dd_dt, d_dd_A, d_trap, d_bias = pullback(
+        tuple(_load_heads(refs[k], 0, geo) for k in ("d_adt", "d_dt", "d_gamma", "d_prev_weight")))
+    for k, v in (("dd_dt", d_dd_dt), ("dd_A", d_dd_A), ("trap", d_trap)):
+        _store_heads(out, c[k], v, geo)
+    _store_heads(refs["d_dt_bias"], 0, jnp.sum(d_bias, axis=0), geo)
     if geo.num_angles:
         out[:, pl.ds(c["angles"], geo.num_angles)] = refs["d_angles"][:, 0, :].astype(out.dtype)
 
 
 def _specs(geo: ScanGeometry, flat: FlatGrid, R):
     b, c = (lambda p: flat.coordinate(p, 0)), (lambda p: flat.coordinate(p, 1))
-    L, G, Np, H, N, S = geo.chunk, geo.groups, geo.padded_state, geo.heads, geo.d_state, geo.num_angles
+    L, G, Np, H, N, S = block_rows(geo), geo.groups, geo.padded_state, geo.heads, geo.d_state, geo.num_angles
     return dict(
         rest=pl.BlockSpec((None, L, R), lambda p: (b(p), c(p), 0)),
         layout=pl.BlockSpec((None, L, G, Np), lambda p: (b(p), c(p), 0, 0)),
@@ -170,7 +216,7 @@ def projection_forward(geo: ScanGeometry, rest, dt_bias, K_weight, Q_weight, *, 
     """(Kk, Qk [Bt, Tp, G, Np] in rest's dtype, ADT, DT, γ, β/α [Bt, Tp, H] float32, angles [Bt, Tp, 1, S]
     float32 or None) from rest [Bt, Tp, R] (zero rows past `seqlen`), dt_bias [H], the norm weights [N]."""
     bsz, Tp, R = rest.shape
-    flat = FlatGrid((bsz, geo.n_chunks))
+    flat = FlatGrid((bsz, Tp // block_rows(geo)))
     sp = _specs(geo, flat, R)
     layout = jax.ShapeDtypeStruct((bsz, Tp, geo.groups, geo.padded_state), rest.dtype)
     heads = jax.ShapeDtypeStruct((bsz, Tp, geo.heads), F32)
@@ -183,7 +229,7 @@ def projection_forward(geo: ScanGeometry, rest, dt_bias, K_weight, Q_weight, *, 
         grid=flat.size,
         inputs=[("rest", rest, sp["rest"]), ("dt_bias", dt_bias, sp["head_vector"]),
                 ("K_weight", K_weight, sp["state_vector"]), ("Q_weight", Q_weight, sp["state_vector"])],
-        outputs=outputs, name="mamba3_siso_fwd_projection", num_warps=NUM_WARPS_FORWARD,
+        outputs=outputs, name="mamba3_siso_fwd_projection", num_warps=geo.config.num_warps_projection,
         num_stages=geo.config.num_stages, interpret=geo.interpret)
     return (res["Kk"], res["Qk"], res["adt"], res["dt"], res["gamma"], res["prev_weight"], res.get("angles"))
 
@@ -194,9 +240,9 @@ def projection_backward(geo: ScanGeometry, rest, dt_bias, K_weight, Q_weight, co
     cotangents (dKk, dQk, dADT, dDT, dγ, d β/α, d angles or None) of projection_forward's outputs."""
     bsz, Tp, R = rest.shape
     dKk, dQk, d_adt, d_dt, d_gamma, d_pw, d_angles = cotangents
-    flat = FlatGrid((bsz, geo.n_chunks))
+    nc = Tp // block_rows(geo)
+    flat = FlatGrid((bsz, nc))
     sp = _specs(geo, flat, R)
-    nc = geo.n_chunks
     res = run_kernel(
         functools.partial(_backward_body, geo=geo, seqlen=seqlen, eps=eps, per_head=per_head, flat=flat),
         grid=flat.size,
@@ -210,7 +256,7 @@ def projection_backward(geo: ScanGeometry, rest, dt_bias, K_weight, Q_weight, co
                  ("d_dt_bias", jax.ShapeDtypeStruct((bsz, nc, geo.heads), F32), sp["head_partial"]),
                  ("d_K_weight", jax.ShapeDtypeStruct((bsz, nc, geo.d_state), F32), sp["state_partial"]),
                  ("d_Q_weight", jax.ShapeDtypeStruct((bsz, nc, geo.d_state), F32), sp["state_partial"])],
-        name="mamba3_siso_bwd_projection", num_warps=NUM_WARPS_BACKWARD,
+        name="mamba3_siso_bwd_projection", num_warps=geo.config.num_warps_projection_grad,
         num_stages=geo.config.num_stages, interpret=geo.interpret)
     # the programs' partial sums, reduced in a fixed order (deterministic)
     return (res["d_rest"], res["d_dt_bias"].sum(axis=(0, 1)), res["d_K_weight"].sum(axis=(0, 1)),
@@ -234,6 +280,9 @@ def projection(geo: ScanGeometry, rest, dt_bias, K_weight, Q_weight, seqlen, eps
     if not fits(geo):
         raise ValueError(f"projection: d_state N={geo.d_state} must be a power of two >= min_width "
                          f"({geo.config.min_width}) and num_angles S={geo.num_angles} 0 or a power of two >= 8 (fits)")
+    if geo.config.projection_row_splits > geo.chunk:
+        raise ValueError(f"Mamba3ScanConfig.projection_row_splits ({geo.config.projection_row_splits}) must be "
+                         f"<= the chunk length ({geo.chunk}): each program takes chunk / splits rows")
     return projection_forward(geo, rest, dt_bias.astype(F32), K_weight.astype(F32), Q_weight.astype(F32),
                               seqlen=seqlen, eps=eps, per_head=per_head)
 
