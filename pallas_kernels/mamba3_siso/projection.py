@@ -44,7 +44,7 @@ from pallas_kernels.common.launch import run_kernel
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 from pallas_kernels.mamba3_siso.qk_norm import column_pieces, fuses_num_angles, norm_backward, row_scale
 
-PerHead = Callable[..., tuple]   # elementwise: (dd_dt, dd_A, trap, dt_bias) -> (ADT, DT, γ, β/α), float32 [L, HP] each
+PerHead = Callable[..., tuple]   # elementwise: (dd_dt, dd_A, trap, dt_bias) -> (ADT, DT, γ, β/α), float32 [rows, HP] each
 
 
 def fits_shape(N: int, S: int, config) -> bool:
@@ -91,7 +91,7 @@ def _masked(x, rows):
 
 
 def _raw_pieces(refs, geo, name, g, rows):
-    """The pieces of group g of B or C (kernel-layout order) as float32 [L, width], masked rows zero."""
+    """The pieces of group g of B or C (kernel-layout order) as float32 [rows, width], masked rows zero."""
     offset = columns(geo)[name] + g * geo.d_state
     return [_masked(refs["rest"][:, _cols(p, offset)].astype(F32), rows) for p in column_pieces(geo)]
 
@@ -135,7 +135,7 @@ def _store_heads(ref, start, value, geo: ScanGeometry):
 
 
 def _per_head_inputs(refs, geo):
-    """(dd_dt, dd_A, trap, dt_bias) float32 [L, HP] for every head at once (columns past H zero)."""
+    """(dd_dt, dd_A, trap, dt_bias) float32 [rows, HP] for every head at once (columns past H zero)."""
     c = columns(geo)
     vals = [_load_heads(refs["rest"], c[k], geo) for k in ("dd_dt", "dd_A", "trap")]
     bias = jnp.zeros_like(vals[0]) + _load_heads(refs["dt_bias"], 0, geo)[None, :]
