@@ -57,8 +57,8 @@
 # GPU tests; the train step without it (default until timed) and with it (fuse_qk_norm=True). s29_tests: the GPU
 # tests of session 29's kernels (the Mamba-3 projection and qk_norm kernels, and the log-sum-exp kernel of session
 # 28). s29_ab: the Mamba-3 train step as the defaults stand, with the projection kernels (fuse_projection=True),
-# with the qk_norm kernels alone (fuse_qk_norm=True), and with split_dense's dx behind the barrier (+barrierdx; the
-# default since session 30: +sumdx is the other one).
+# with the qk_norm kernels alone (fuse_qk_norm=True), and with split_dense's summed dx (+sumdx; session 30 ran it
+# with +barrierdx, then the other choice, now the default).
 # proj_bench: bench_mamba3_projection.py, the op alone (XLA ops / qk_norm kernels / projection kernels, the last
 # with 1, 2 and 4 programs per chunk). proj_tests: the projection kernels' GPU tests. proj_ab: the Mamba-3 train
 # step as the defaults stand and with the projection kernels at 1, 2 and 4 programs per chunk (session 30's
@@ -197,7 +197,7 @@ for s in $stages; do case $s in
   proj_tests)  run gpu_tests_projection 240 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_mamba3_projected.py -rA ;;
   proj_ab)     train_steps mamba3 default fuse_projection=True fuse_projection=True,projection_row_splits=2 \
                  fuse_projection=True,projection_row_splits=4,num_warps_projection=2,num_warps_projection_grad=4 ;;
-  s29_ab)      train_steps mamba3 default fuse_projection=True fuse_qk_norm=True default+barrierdx ;;
+  s29_ab)      train_steps mamba3 default fuse_projection=True fuse_qk_norm=True default+sumdx ;;
   conv_tests)  run gpu_tests_conv 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_causal_conv_pallas.py -rA ;;
   m1_keep_tests) run gpu_tests_m1_kept_activations 150 python3 -m pytest -q -p no:cacheprovider tests/test_mamba1_mixer_core.py -k "kept or checked or reaches" -rA ;;
   e2e3x)       train_steps mamba3 ${E2E3_CFGS:-default} ;;
