@@ -168,10 +168,13 @@ def test_bad_arguments_are_named(change, error, words, config):
         ops.mamba3_siso_scan_projected(*[args[k] for k in NAMES], **kw)
 
 
-def test_kernels_lower_for_h200():
-    """Forward + backward at the benchmark layer shape, lowered for an abstract H200: the projection's two
-    kernels beside the scan's eight (and none of the norms' separate ones)."""
-    bsz, T, H, G, N, P, S = 8, 2048, 24, 1, 128, 64, 32
+@pytest.mark.parametrize("shape", [(8, 2048, 24, 1, 128, 64, 32), (2, 256, 16, 1, 64, 32, 0)],
+                         ids=["benchmark-layer", "heads-a-power-of-two"])
+def test_kernels_lower_for_h200(shape):
+    """Forward + backward lowered for an abstract H200: the projection's two kernels beside the scan's
+    eight (and none of the norms' separate ones). At the benchmark layer the heads' window is masked
+    (H = 24 in 32 columns); with H = 16 it is the plain one."""
+    bsz, T, H, G, N, P, S = shape
     s = jax.ShapeDtypeStruct
     specs = dict(rest=s((bsz, T, 2 * G * N + 3 * H + S), jnp.bfloat16), V=s((bsz, T, H, P), jnp.bfloat16),
                  z=s((bsz, T, H, P), jnp.bfloat16), dt_bias=s((H,), jnp.float32), B_norm_weight=s((N,), jnp.float32),

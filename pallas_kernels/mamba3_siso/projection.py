@@ -41,6 +41,8 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels.common.dtypes import F32
 from pallas_kernels.common.grid import FlatGrid
 from pallas_kernels.common.launch import run_kernel
+from pallas_kernels.common.padding import pad_axis_to
+from pallas_kernels.common.sizes import next_power_of_2
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 from pallas_kernels.mamba3_siso.qk_norm import column_pieces, fuses_num_angles, norm_backward, row_scale
 
@@ -96,42 +98,38 @@ def _raw_pieces(refs, geo, name, g, rows):
     return [_masked(refs["rest"][:, _cols(p, offset)].astype(F32), rows) for p in column_pieces(geo)]
 
 
-def head_width(geo: ScanGeometry) -> int:
-    """HP: the heads' window width, H rounded up to a power of two (Triton's tensors are powers of two)."""
-    return 1 << max(geo.heads - 1, 0).bit_length()
-
-
 def _head_window(ref, start, geo: ScanGeometry):
-    """(index of ref's columns start .. start + HP (all leading axes whole), mask [.., HP] of the first H)."""
-    H, HP = geo.heads, head_width(geo)
+    """How to reach ref[.., start : start + H] as [.., HP] (HP = H rounded up to a power of two, Triton's
+    tensors being powers of two): (index, mask of the first H columns), or (index of exactly H columns,
+    None) where no mask is needed (HP = H) or possible (the interpreter, which clamps a window past the
+    block's edge and does not mask)."""
+    H, HP = geo.heads, next_power_of_2(geo.heads)
     lead = (slice(None),) * (len(ref.shape) - 1)
+    if geo.interpret or HP == H:
+        return lead + (pl.ds(start, H),), None
     # A traced start: pl.ds's static bounds check does not know the mask, and the window may reach past
     # the block's last column (trap's window when S < HP - H; the [H]-wide outputs). Masked lanes are
     # never accessed.
     start = start + 0 * pl.program_id(0)
-    mask = (jnp.arange(HP) < H).reshape((1,) * len(lead) + (HP,))
-    return lead + (pl.ds(start, HP),), mask
+    return lead + (pl.ds(start, HP),), (jnp.arange(HP) < H).reshape((1,) * len(lead) + (HP,))
 
 
 def _load_heads(ref, start, geo: ScanGeometry):
     """ref[.., start : start + H] as float32 [.., HP], zero past H."""
-    H, HP = geo.heads, head_width(geo)
-    if geo.interpret or HP == H:     # the interpreter clamps a window past the edge and does not mask
-        x = ref[(slice(None),) * (len(ref.shape) - 1) + (pl.ds(start, H),)].astype(F32)
-        return x if HP == H else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, HP - H)])
     index, mask = _head_window(ref, start, geo)
+    if mask is None:
+        return pad_axis_to(ref[index].astype(F32), -1, next_power_of_2(geo.heads))
     return plt.load(ref.at[index], mask=mask, other=0.0).astype(F32)
 
 
 def _store_heads(ref, start, value, geo: ScanGeometry):
     """ref[.., start : start + H] = value[.., :H] (value [.., HP])."""
-    H, HP = geo.heads, head_width(geo)
-    value = value.astype(ref.dtype)
-    if geo.interpret or HP == H:
-        ref[(slice(None),) * (len(ref.shape) - 1) + (pl.ds(start, H),)] = value[..., :H]
-        return
     index, mask = _head_window(ref, start, geo)
-    plt.store(ref.at[index], value, mask=mask)
+    value = value.astype(ref.dtype)
+    if mask is None:   # the interpreter's [.., HP] value is cut to H; with HP = H nothing is sliced (Triton)
+        ref[index] = value if value.shape[-1] == geo.heads else value[..., :geo.heads]
+    else:
+        plt.store(ref.at[index], value, mask=mask)
 
 
 def _per_head_inputs(refs, geo):
