@@ -24,7 +24,7 @@ from jmamba.ops import Mamba3ScanState, Mamba3ScanTuning
 from jmamba.ops.mamba3_siso_scan import pallas as pallas_glue
 from pallas_kernels.mamba3_siso import Mamba3ScanConfig
 
-FUSED = Mamba3ScanConfig(fuse_projection=True)      # off by default until timed on a GPU
+FUSED = Mamba3ScanConfig(fuse_projection=True)      # the default since session 31
 UNFUSED = Mamba3ScanConfig(fuse_projection=False)
 NAMES = ("rest", "V", "z", "dt_bias", "B_norm_weight", "C_norm_weight", "B_bias", "C_bias", "D")
 
@@ -125,7 +125,7 @@ def test_the_kernels_run_only_where_they_apply():
     args, state, G = make((1, 16, 2, 1, 16, 8, 8), jnp.float32)
     assert runs_the_kernels(args, state, G, implementation="pallas")
     assert not runs_the_kernels(args, state, G)      # automatic on a CPU: "xla"
-    assert not runs_the_kernels(args, state, G, implementation="pallas", config=None)   # off by default
+    assert runs_the_kernels(args, state, G, implementation="pallas", config=None)       # on by default
     assert not runs_the_kernels(args, state, G, implementation="pallas", config=UNFUSED)
     assert not runs_the_kernels(args, state, G, implementation="xla")
     assert not runs_the_kernels(args, state, G, implementation="reference")

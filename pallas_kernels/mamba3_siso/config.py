@@ -70,7 +70,9 @@ class Mamba3ScanConfig:
         (the same sums in another order of the float32 additions).
       qk_head_splits: the heads of a group are split over this many programs of the query/key kernels
         (the largest divisor of heads-per-group not above it is used): more programs in flight, and
-        as many partial group sums of dQ, dK for XLA to add.
+        as many partial group sums of dQ, dK for XLA to add. 1 by default since session 31 (H100, train
+        step with the projection kernels: 4 splits 79.4 ms, 2 splits 79.1, 1 split 78.4; the partial
+        sums were 48 reductions, ~0.7 ms per step; at B=8 T=2048 the kernels still have 256 programs).
       num_stages: Triton software-pipelining depth of every kernel.
       min_width: smallest padded d_state or headdim (tl.dot needs dims >= 16).
       min_chunk, max_chunk: the range the op's chunk_size is clamped to (powers of two).
@@ -160,14 +162,16 @@ class Mamba3ScanConfig:
       fuse_projection: `mamba3_siso_scan_projected` (the Mamba-3 mixer's call) runs the per-position
         work between in_proj's rest block and the core (the B/C norms and layout, A, DT, ADT, the
         trapezoid weights, the angles; backward d rest in one write) as projection.py's two kernels;
-        False runs it as XLA ops around `mamba3_siso_scan` (with fuse_qk_norm for the norms). Off: its
-        GPU tests pass, but the first version (a loop over heads of [L] columns) cost 3.2 ms per step and
-        saved 2.6 (H100, session 30: train step 82.4 -> 83.5 ms; the backward kernel 93 µs per layer,
-        latency-bound). The heads are now one [L, HP] block (backward 7352 -> 4216 SASS instructions),
-        untimed (gpu_session.sh proj_ab; notes_mamba3_scan.md v19).
+        False runs it as XLA ops around `mamba3_siso_scan` (with fuse_qk_norm for the norms). On by
+        default since session 31: the first version (a loop over heads of [L] columns) cost 3.2 ms per
+        step and saved 2.6 (H100, session 30: the backward kernel 93 µs per layer, latency-bound); with
+        the heads as one [L, HP] block the kernels are 24 + 10 µs per layer and the train step went
+        82.5 -> 80.0 ms (H100, session 31, 2 row splits; GPU tests passed; notes_mamba3_scan.md v20).
       projection_row_splits: programs per chunk of the projection kernels (a power of two; each takes
         chunk / splits rows, at least 1): more, smaller programs (fewer registers each, more of them per
         SM) for the same values. The weight-gradient partials are per program, summed in a fixed order.
+        2 by default (H100, session 31, train step: 1 split 80.5 ms, 2 splits 80.0, 4 splits with 2 / 4
+        warps 79.7 and 79.9 in two calls against 80.0 and 79.8: a tie; 2 keeps the default warps).
       num_warps_projection, num_warps_projection_grad: Triton warps of the projection forward / backward
         kernels (4 / 8: the backward holds a group's x̂, g and dy [rows, N] of B and of C in turn).
     """
@@ -184,7 +188,7 @@ class Mamba3ScanConfig:
     num_warps_qk: int = 8
     num_warps_qk_grad: int = 8
     qk_grad_blocks: int = 1
-    qk_head_splits: int = 4
+    qk_head_splits: int = 1
     num_stages: int = 1
     min_width: int = 16
     min_chunk: int = 16
@@ -204,8 +208,8 @@ class Mamba3ScanConfig:
     fast_rotation: bool = True
     fast_rotation_backward: bool | None = False
     fuse_qk_norm: bool = False
-    fuse_projection: bool = False
-    projection_row_splits: int = 1
+    fuse_projection: bool = True
+    projection_row_splits: int = 2
     num_warps_projection: int = 4
     num_warps_projection_grad: int = 8
 

@@ -14,7 +14,7 @@ scan runs its Pallas kernels, this op instead runs one kernel forward and one ba
 (pallas_kernels/mamba3_siso/projection.py: rest read once, d rest written once) with the same formulas
 (the per-head ones are per_position.py's `per_head`, differentiated inside the kernel by `jax.vjp`). Otherwise
 (another implementation, reset masks, a `seq` mesh, a geometry the kernels do not fit, or
-`Mamba3ScanConfig.fuse_projection` off, the default until the kernels have run on a GPU) it is exactly
+`Mamba3ScanConfig.fuse_projection` off; on by default since session 31) it is exactly
 that composition, with `qk_norm` for the norms.
 """
 
