@@ -277,13 +277,20 @@ def test_a_gate_read_from_a_wider_array_gives_the_same_values_and_cotangents(off
 
 
 # ------------------------------------------------------------------------------- abstract H200 lowering
+@functools.lru_cache(maxsize=None)
+def _input_specs(shape, dtype, with_reset):
+    """(present names, their ShapeDtypeStructs, the reset mask or None) of make_inputs: drawing the
+    arrays at the benchmark shape takes seconds, so each shape is drawn once per process."""
+    args, reset = make_inputs(shape, dtype, with_reset=with_reset)
+    present = tuple(k for k in NAMES if args[k] is not None)
+    return present, tuple(jax.ShapeDtypeStruct(args[k].shape, args[k].dtype) for k in present), reset
+
+
 def _lower_for_h200(shape, dtype, config, *, with_reset):
     """Traces forward+backward and lowers it for an abstract H200: runs the Pallas->Triton lowering."""
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-    args, reset = make_inputs(shape, dtype, with_reset=with_reset)
-    present = tuple(k for k in NAMES if args[k] is not None)
-    specs = [jax.ShapeDtypeStruct(args[k].shape, args[k].dtype) for k in present]
+    present, specs, reset = _input_specs(shape, dtype, with_reset)
 
     def loss(*vals):
         y, h = selective_scan_pallas(*vals, reset, delta_softplus=True, config=config)
