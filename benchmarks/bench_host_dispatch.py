@@ -15,6 +15,10 @@ three with AdamW's moments. This script times that host work on its own, for the
 - `dispatch + sync`: the same call followed by `jax.block_until_ready` (what a loop that syncs every
   step pays on top of the kernels).
 
+A third row, "packed", passes the same bytes as one flat buffer per dtype for params and for the
+optimizer state (about ten leaves): what a train state of packed buffers would pay instead
+(benchmarks/notes_training_step.md, session 31).
+
     python benchmarks/bench_host_dispatch.py [--arch mamba1|mamba3] [--d-model 768] [--n-layers 24]
                                              [--vocab 50280] [--batch 8] [--iters 300]
 
@@ -48,6 +52,15 @@ def build_state(arch, d_model, n_layers, vocab, batch):
     lm = jmamba.MambaLM(cfg, vocab, rngs=nnx.Rngs(0))
     state = jmamba.TrainState.create(lm, jmamba.optim.fused_adamw(1e-4, weight_decay=0.1), batch, precision="bf16")
     return lm, state
+
+
+def packed_by_dtype(tree):
+    """{dtype name: one flat array of every leaf of that dtype}: the leaf count a train state of packed
+    buffers would pass through the jit boundary (the same bytes; only the host cost is measured)."""
+    groups = {}
+    for leaf in jax.tree.leaves(tree):
+        groups.setdefault(leaf.dtype.name, []).append(leaf.ravel())
+    return {name: jax.numpy.concatenate(parts) for name, parts in groups.items()}
 
 
 def _median_ms(fn, iters, warmup=3):
@@ -107,6 +120,8 @@ def main(argv=None):
     variants = [("TrainState.create", state)]
     if getattr(state, "nnx_layout", None) is not None:   # the nnx.State layout the state had before
         variants.append(("nnx trees (nnx_view)", state.nnx_view()))
+    packed = state.replace(params=packed_by_dtype(state.params), opt_state=packed_by_dtype(state.opt_state))
+    variants.append((f"packed ({len(jax.tree.leaves(packed))} leaves)", packed))
     for name, st in variants:
         s = measure(st, a.iters)
         print(f"| {name} | {s['flatten'] * 1e3:.3f} | {s['unflatten'] * 1e3:.3f} | {s['dispatch'] * 1e3:.3f} | "

@@ -77,6 +77,8 @@
 # GPU tests; e2e3_walk: the train step with the split passes). e2e3g: the train step with the defaults, gc frozen.
 # probe_anchor: our op timed inside the anchors' op process right after their timing (split, trace, gaps;
 # run anchors_ss earlier in the call, carry .anchors).
+# host_dispatch: bench_host_dispatch.py for both models (the TrainState's jit-boundary host cost as it is,
+# as nnx trees, and packed into one buffer per dtype: notes_training_step.md session 31).
 # pack_logs: every log in $OUT into logs.tgz (the device tool returns at most 8 files).
 # cache_restore / cache_save: the Triton (official kernels) and JAX compilation caches, unpacked from
 # .devcache/*.tgz (git-ignored; carry .devcache) / packed into $OUT (copy them to .devcache for the next call).
@@ -194,6 +196,7 @@ for s in $stages; do case $s in
   qk_ab)       train_steps mamba3 default fuse_qk_norm=True ;;
   s29_tests)   run gpu_tests_s29 380 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_mamba3_projected.py tests/test_mamba3_qk_norm.py tests/test_log_sum_exp.py -rA ;;
   proj_bench)  run mamba3_projection_bench 200 python3 benchmarks/bench_mamba3_projection.py ;;
+  host_dispatch) for arch in mamba3 mamba1; do run host_dispatch_$arch 90 python3 benchmarks/bench_host_dispatch.py --arch $arch ; done ;;
   proj_tests)  run gpu_tests_projection 240 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_mamba3_projected.py -rA ;;
   proj_ab)     train_steps mamba3 default fuse_projection=True fuse_projection=True,projection_row_splits=2 \
                  fuse_projection=True,projection_row_splits=4,num_warps_projection=2,num_warps_projection_grad=4 ;;
