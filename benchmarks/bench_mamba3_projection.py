@@ -7,8 +7,8 @@ the 130m-class model.
     python3 benchmarks/bench_mamba3_projection.py --tiny     # CPU smoke run (interpreted)
 
 Rows: "xla ops" (fuse_projection=False, fuse_qk_norm=False: the session-28 path), "qk_norm kernels"
-(fuse_qk_norm=True), "projection kernels" (fuse_projection=True; then with 2 and 4 programs per chunk,
-`projection_row_splits`). "fwd+bwd" takes the cotangents of rest,
+(fuse_qk_norm=True), "projection kernels" (fuse_projection=True with one program per chunk; then with 2,
+the default since session 31, and 4 programs per chunk, `projection_row_splits`). "fwd+bwd" takes the cotangents of rest,
 V, z, dt_bias, both norm weights, both biases and D under a cotangent of the output (what a layer of the
 train step runs). Medians (min–max) of `--iters` jitted calls; the last column is the largest relative
 difference of the fwd+bwd results from the first row's.
@@ -33,7 +33,7 @@ from pallas_kernels.mamba3_siso import Mamba3ScanConfig  # noqa: E402
 NAMES = ("rest", "V", "z", "dt_bias", "B_norm_weight", "C_norm_weight", "B_bias", "C_bias", "D")
 VARIANTS = (("xla ops", dict(fuse_projection=False, fuse_qk_norm=False)),
             ("qk_norm kernels", dict(fuse_projection=False, fuse_qk_norm=True)),
-            ("projection kernels", dict(fuse_projection=True)),
+            ("projection kernels", dict(fuse_projection=True, projection_row_splits=1)),
             ("projection kernels, 2 row blocks", dict(fuse_projection=True, projection_row_splits=2)),
             ("projection kernels, 4 row blocks, 2/4 warps", dict(fuse_projection=True, projection_row_splits=4,
                                                               num_warps_projection=2, num_warps_projection_grad=4)))

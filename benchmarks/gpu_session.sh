@@ -61,8 +61,8 @@
 # with +barrierdx, then the other choice, now the default).
 # proj_bench: bench_mamba3_projection.py, the op alone (XLA ops / qk_norm kernels / projection kernels, the last
 # with 1, 2 and 4 programs per chunk). proj_tests: the projection kernels' GPU tests. proj_ab: the Mamba-3 train
-# step as the defaults stand and with the projection kernels at 1, 2 and 4 programs per chunk (session 30's
-# [L, HP] head block; notes_mamba3_scan.md v19).
+# step as the defaults stand (since session 31: the projection kernels at 2 programs per chunk), with the XLA
+# per-position ops instead (fuse_projection=False), and with 1 and 4 programs per chunk (notes_mamba3_scan.md v20).
 # m1_keep_tests: the mixer core's kept-activation tests (mixer_residuals="activations") with the real kernels.
 # tests: every -m gpu test (~82, ~7 min on an H100: more than one call's other stages leave room for);
 # tests_m3 / tests_rest split it into the Mamba-3 + mixer-core files (~4 min) and everything else (~4 min).
@@ -198,8 +198,8 @@ for s in $stages; do case $s in
   proj_bench)  run mamba3_projection_bench 200 python3 benchmarks/bench_mamba3_projection.py ;;
   host_dispatch) for arch in mamba3 mamba1; do run host_dispatch_$arch 90 python3 benchmarks/bench_host_dispatch.py --arch $arch ; done ;;
   proj_tests)  run gpu_tests_projection 240 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_mamba3_projected.py -rA ;;
-  proj_ab)     train_steps mamba3 default fuse_projection=True fuse_projection=True,projection_row_splits=2 \
-                 fuse_projection=True,projection_row_splits=4,num_warps_projection=2,num_warps_projection_grad=4 ;;
+  proj_ab)     train_steps mamba3 default fuse_projection=False projection_row_splits=1 \
+                 projection_row_splits=4,num_warps_projection=2,num_warps_projection_grad=4 ;;
   s29_ab)      train_steps mamba3 default fuse_projection=True fuse_qk_norm=True default+sumdx ;;
   conv_tests)  run gpu_tests_conv 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_causal_conv_pallas.py -rA ;;
   m1_keep_tests) run gpu_tests_m1_kept_activations 150 python3 -m pytest -q -p no:cacheprovider tests/test_mamba1_mixer_core.py -k "kept or checked or reaches" -rA ;;
