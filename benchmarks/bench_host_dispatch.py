@@ -16,8 +16,8 @@ three with AdamW's moments. This script times that host work on its own, for the
   step pays on top of the kernels).
 
 A third row, "packed", passes the same bytes as one flat buffer per dtype for params and for the
-optimizer state (about ten leaves): what a train state of packed buffers would pay instead
-(benchmarks/notes_training_step.md, session 31).
+optimizer state (the per-layer recurrent states stay apart: 54 leaves for the 130m Mamba-1 LM): what a
+train state of packed buffers would pay instead (benchmarks/notes_training_step.md, session 31).
 
     python benchmarks/bench_host_dispatch.py [--arch mamba1|mamba3] [--d-model 768] [--n-layers 24]
                                              [--vocab 50280] [--batch 8] [--iters 300]
