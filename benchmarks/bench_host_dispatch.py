@@ -15,9 +15,9 @@ three with AdamW's moments. This script times that host work on its own, for the
 - `dispatch + sync`: the same call followed by `jax.block_until_ready` (what a loop that syncs every
   step pays on top of the kernels).
 
-A third row, "packed", passes the same bytes as one flat buffer per dtype for params and for the
-optimizer state (the per-layer recurrent states stay apart: 54 leaves for the 130m Mamba-1 LM): what a
-train state of packed buffers would pay instead (benchmarks/notes_training_step.md, session 31).
+A third row is the state of `TrainState.create(..., flat=True)`: params and AdamW's moments in one flat
+buffer each (the per-layer recurrent states stay apart: 54 leaves for the 130m Mamba-1 LM, 102 for
+Mamba-3), the same bytes in a few dozen buffers.
 
     python benchmarks/bench_host_dispatch.py [--arch mamba1|mamba3] [--d-model 768] [--n-layers 24]
                                              [--vocab 50280] [--batch 8] [--iters 300]
@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jmamba  # noqa: E402
 
 
-def build_state(arch, d_model, n_layers, vocab, batch):
-    """(lm, TrainState) of a MambaLM with fused AdamW, bf16 precision."""
+def build_state(arch, d_model, n_layers, vocab, batch, flat=False):
+    """(lm, TrainState) of a MambaLM with fused AdamW, bf16 precision (`flat`: TrainState.create's)."""
     if arch == "mamba1":
         cfg = jmamba.Mamba1Config(d_model=d_model, n_layers=n_layers)
     elif arch == "mamba3":
@@ -50,17 +50,9 @@ def build_state(arch, d_model, n_layers, vocab, batch):
     else:
         raise ValueError(f"arch must be 'mamba1' or 'mamba3', got {arch!r}")
     lm = jmamba.MambaLM(cfg, vocab, rngs=nnx.Rngs(0))
-    state = jmamba.TrainState.create(lm, jmamba.optim.fused_adamw(1e-4, weight_decay=0.1), batch, precision="bf16")
+    state = jmamba.TrainState.create(lm, jmamba.optim.fused_adamw(1e-4, weight_decay=0.1), batch, precision="bf16",
+                                     flat=flat)
     return lm, state
-
-
-def packed_by_dtype(tree):
-    """{dtype name: one flat array of every leaf of that dtype}: the leaf count a train state of packed
-    buffers would pass through the jit boundary (the same bytes; only the host cost is measured)."""
-    groups = {}
-    for leaf in jax.tree.leaves(tree):
-        groups.setdefault(leaf.dtype.name, []).append(leaf.ravel())
-    return {name: jax.numpy.concatenate(parts) for name, parts in groups.items()}
 
 
 def _median_ms(fn, iters, warmup=3):
@@ -120,13 +112,13 @@ def main(argv=None):
     variants = [("TrainState.create", state)]
     if getattr(state, "nnx_layout", None) is not None:   # the nnx.State layout the state had before
         variants.append(("nnx trees (nnx_view)", state.nnx_view()))
-    packed = state.replace(params=packed_by_dtype(state.params), opt_state=packed_by_dtype(state.opt_state))
-    variants.append((f"packed ({len(jax.tree.leaves(packed))} leaves)", packed))
+    _, flat = build_state(a.arch, a.d_model, a.n_layers, a.vocab, a.batch, flat=True)
+    variants.append((f"flat=True ({len(jax.tree.leaves(flat))} leaves)", flat))
     for name, st in variants:
         s = measure(st, a.iters)
         print(f"| {name} | {s['flatten'] * 1e3:.3f} | {s['unflatten'] * 1e3:.3f} | {s['dispatch'] * 1e3:.3f} | "
               f"{s['dispatch + sync'] * 1e3:.3f} |", flush=True)
-        rows.append(dict(state=name, leaves=n, seconds=s))
+        rows.append(dict(state=name, leaves=len(jax.tree.leaves(st)), seconds=s))
     return rows
 
 

@@ -75,6 +75,8 @@ def parse_args(argv=None):
                         "batch-size x that), each sequence over --seq-shards")
     p.add_argument("--seq-shards", type=int, default=1,
                    help="sequence parallel: split each sequence's time axis over this many devices (a seq mesh axis)")
+    p.add_argument("--flat", action="store_true",
+                   help="TrainState.create(..., flat=True): params and optimizer state in flat buffers (one device)")
     p.add_argument("--fsdp", action="store_true", help="with --devices > 1: shard parameters and optimizer state over data")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON to PATH")
     p.add_argument("--gc-freeze", action="store_true",
@@ -211,7 +213,7 @@ def bench_one(args, lm, impl):
         from jmamba.parallel import make_mesh
         mesh = make_mesh(data=data_ways(args), seq=args.seq_shards, devices=jax.devices()[:args.devices])
     with dispatch.prefer(OP[args.arch], impl), scan_tuning(args):
-        state = jmamba.TrainState.create(lm, opt, bsz, precision=args.precision)
+        state = jmamba.TrainState.create(lm, opt, bsz, precision=args.precision, flat=args.flat)
         if mesh is not None:
             from jmamba.parallel import shard_state
             state = shard_state(state, mesh, fsdp=args.fsdp)
@@ -281,7 +283,7 @@ def main(argv=None):
     print(f"# train step: {args.arch} d_model={args.d_model} layers={args.n_layers} vocab={args.vocab} "
           f"params={n_params / 1e6:.1f}M B={args.batch_size}x{data_ways(args)} T={args.seq_len} "
           f"devices={args.devices} (seq shards {args.seq_shards}{', fsdp' if args.fsdp else ''}) {args.precision} "
-          f"optimizer={args.optimizer} remat={args.remat} guard={not args.no_guard} | jax {jax.__version__} on {jax.devices()[0].device_kind}")
+          f"optimizer={args.optimizer}{' flat state' if args.flat else ''} remat={args.remat} guard={not args.no_guard} | jax {jax.__version__} on {jax.devices()[0].device_kind}")
     rows = []
     for impl in args.impl.split(","):
         try:

@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh [stage ...]     stages: tests m3_tests m3_bench m3_profile adamw_tests adamw
 #                                                  e2e1 e2e3 e2e1_old e2e3_old remat1 noguard1 soak decode dp2
 #                                                  anchors_build side_ops side_train side_long e2e1_prof e2e3p e2e1_long
-#                                                  mixer_bench scan_sweep e2e1_dump e2e3_dump (profile + optimized HLO; M3_PROF_CFG=K=V,... a scan config)
+#                                                  mixer_bench scan_sweep e2e1_dump e2e3_dump (profile + optimized HLO; M3_PROF_CFG=K=V,... a scan config; PROF_FLAT=1 a flat TrainState)
 #                                                  conv_bench tests_m1 scan_parallel e2e3_prof gpu_auto
 #                                                  e2e1_nocb e2e1_cb (command buffers off / widened, XLA_FLAGS)
 #                                                  mosaic_fwd (the Mosaic GPU scan prototypes: GPU tests, forward
@@ -129,6 +129,7 @@ train_steps() {  # arch, configs ("default" or K=V,..., each with optional +keep
     case $cfg in *+recompute*) extra="$extra --mixer-residuals inputs" ;; esac     # the defaults before 2026-12-06
     case $cfg in *+exactconv*) extra="$extra --conv-config fast_math=False,fused_multiply_add=False" ;; esac
     case $cfg in *+loopconv*) extra="$extra --conv-config loop_rows=True" ;; esac
+    case $cfg in *+flat*) extra="$extra --flat" ;; esac          # TrainState.create(..., flat=True)
     prefer=""
     case $cfg in *+xlanorm*) prefer="$prefer,add_rms_norm=xla" ;; esac
     case $cfg in *+pallaslse*) prefer="$prefer,log_sum_exp=pallas" ;; esac
@@ -197,6 +198,7 @@ for s in $stages; do case $s in
   s29_tests)   run gpu_tests_s29 380 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_mamba3_projected.py tests/test_mamba3_qk_norm.py tests/test_log_sum_exp.py -rA ;;
   proj_bench)  run mamba3_projection_bench 200 python3 benchmarks/bench_mamba3_projection.py ;;
   host_dispatch) for arch in mamba3 mamba1; do run host_dispatch_$arch 90 python3 benchmarks/bench_host_dispatch.py --arch $arch ; done ;;
+  flat_tests)  run gpu_tests_flat_state 150 python3 -m pytest -q -p no:cacheprovider tests/test_flat_train_state.py -rA ;;
   proj_tests)  run gpu_tests_projection 240 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_mamba3_projected.py -rA ;;
   proj_ab)     train_steps mamba3 default fuse_projection=False projection_row_splits=1 \
                  projection_row_splits=4,num_warps_projection=2,num_warps_projection_grad=4 ;;
@@ -268,9 +270,9 @@ for s in $stages; do case $s in
   scan_parallel) run scan_sweep_parallel 240 python3 benchmarks/bench_selective_scan.py --sweep --sweep-set parallel --shapes b8t2048 --impls pallas --iters 10 ;;
   e2e1p)       run e2e_mamba1 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 ;;
   e2e3p)       run e2e_mamba3 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 ;;
-  e2e1_dump)   run e2e_mamba1_profile 200 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 6 --warmup 2 --steady 10 --profile 3 --xla-dump /tmp/hlo1 ;
+  e2e1_dump)   run e2e_mamba1_profile 200 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 6 --warmup 2 --steady 10 --profile 3 --xla-dump /tmp/hlo1 ${PROF_FLAT:+--flat} ;
                pack_hlo /tmp/hlo1 "$OUT/hlo_mamba1.txt.gz" ;;
-  e2e3_dump)   run e2e_mamba3_profile 200 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 6 --warmup 2 --steady 10 --profile 3 --xla-dump /tmp/hlo3 ${M3_PROF_CFG:+--scan-config $M3_PROF_CFG} ;
+  e2e3_dump)   run e2e_mamba3_profile 200 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 6 --warmup 2 --steady 10 --profile 3 --xla-dump /tmp/hlo3 ${M3_PROF_CFG:+--scan-config $M3_PROF_CFG} ${PROF_FLAT:+--flat} ;
                pack_hlo /tmp/hlo3 "$OUT/hlo_mamba3.txt.gz" ;;
   conv_bench)  run causal_conv_bench 150 python3 benchmarks/bench_causal_conv.py ;;
   tests_m1)    run gpu_tests_mamba1 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_causal_conv_pallas.py tests/test_mamba1_mixer_core.py tests/test_selective_scan_pallas.py -rA --durations=20 ;;

@@ -9,7 +9,7 @@ Public names (models, training and users import only these):
   reductions:  log_sum_exp (one pass over wide rows: the cross entropy's normalizer)   (+ LogSumExpTuning)
   projections: split_dense (a dense layer's output as column blocks, one matmul each)
   decode:      selective_scan_step, mamba3_siso_step
-  optimizer:   adamw_update, step_scalars, bias_correction, AdamWTuning, AdamWKernelConfig
+  optimizer:   adamw_update, adamw_update_flat, step_scalars, bias_correction, AdamWTuning, AdamWKernelConfig
   elementwise: softplus_thresholded
   choosing:    dispatch (`dispatch.prefer`), tuning / current_tuning / set_default_tuning
 
@@ -25,7 +25,8 @@ their states between the shards (`sequence_sharding`, docs/sequence_parallel.md)
 import warnings as _warnings
 
 from jmamba.ops import dispatch
-from jmamba.ops.adamw import AdamWKernelConfig, AdamWTuning, adamw_update, bias_correction, step_scalars
+from jmamba.ops.adamw import (AdamWKernelConfig, AdamWTuning, adamw_update, adamw_update_flat, bias_correction,
+                              step_scalars)
 from jmamba.ops.mamba1_mixer import Mamba1CoreState, causal_conv1d, causal_conv1d_step, mamba1_mixer_core
 from jmamba.ops.norms import RMSNormTuning, add_rms_norm, rms_norm
 from jmamba.ops.projections import split_dense
@@ -40,7 +41,7 @@ from jmamba.ops.settings import current_tuning, set_default_tuning, tuning
 
 __all__ = ["AdamWKernelConfig", "AdamWTuning", "LogSumExpTuning", "Mamba1CoreState", "Mamba3QKNorm", "Mamba3ScanState", "Mamba3ScanTuning",
            "RMSNormTuning", "SelectiveScanState", "SelectiveScanTuning", "add_rms_norm",
-           "adamw_update", "bias_correction", "causal_conv1d", "causal_conv1d_step", "current_tuning", "dispatch", "log_sum_exp",
+           "adamw_update", "adamw_update_flat", "bias_correction", "causal_conv1d", "causal_conv1d_step", "current_tuning", "dispatch", "log_sum_exp",
            "mamba1_mixer_core", "mamba3_projected_inputs", "mamba3_siso_scan", "mamba3_siso_scan_projected",
            "mamba3_siso_step", "rms_norm", "selective_scan", "selective_scan_step", "set_default_tuning",
            "softplus_thresholded", "split_dense", "step_scalars", "tuning"]

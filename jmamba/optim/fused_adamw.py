@@ -145,6 +145,12 @@ class _Update:
                                                 compute_dtype=None, grad_scale=grad_scale, skip=skip)
         return new_params, new_state, lr_ok
 
+    def fused_apply_flat(self, grads, state, params, *, params_tree, grad_scale=None, skip=None):
+        """`fused_apply` for a flat TrainState (`TrainState.create(..., flat=True)`): `params` and the
+        moments are FlatTrees, updated in place in one pass; `params_tree` is the params as a tree
+        (for the decay mask). Returns (new flat params, new state, applied)."""
+        return _flat_step(self.hp, grads, state, params, params_tree=params_tree, grad_scale=grad_scale, skip=skip)
+
 
 assert FUSED_APPLY == "fused_apply"   # the protocol's attribute name is the method above
 
@@ -229,16 +235,7 @@ def _step(hp: _Hyperparams, grads, state, params, *, implementation, compute_dty
         if x is not None and jnp.shape(x) != ():
             raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(x)}")
     decay = decay_flags(hp.mask, params, len(p_leaves))
-
-    count = optax.safe_increment(state.count)
-    lr = hp.learning_rate(state.count) if callable(hp.learning_rate) else hp.learning_rate
-    lr = jnp.asarray(lr, f32)
-    # A schedule that returns a non-finite or negative value would write NaN weights or climb the
-    # loss: such a step is refused (nothing changes, the count stays) and reported as not applied.
-    lr_ok = jnp.isfinite(lr) & (lr >= 0)
-    skip = jnp.logical_not(lr_ok) if skip is None else jnp.logical_or(jnp.asarray(skip, bool), ~lr_ok)
-    scalars = ops.step_scalars(learning_rate=jnp.where(lr_ok, lr, 0.0), b1=hp.b1, b2=hp.b2, eps=hp.eps,
-                               weight_decay=hp.weight_decay, step=count, grad_scale=grad_scale, skip=skip)
+    scalars, count, skip, lr_ok = _step_scalars(hp, state.count, grad_scale, skip)
     new_p, new_m, new_v, new_c = ops.adamw_update(p_leaves, g_leaves, m_leaves, v_leaves, scalars, decay,
                                                   compute_dtype=compute_dtype, implementation=implementation,
                                                   tuning=hp.tuning)
@@ -246,6 +243,52 @@ def _step(hp: _Hyperparams, grads, state, params, *, implementation, compute_dty
     new_state = FusedAdamWState(count=count, mu=treedef.unflatten(new_m), nu=treedef.unflatten(new_v))
     compute_params = None if new_c is None else treedef.unflatten(new_c)
     return treedef.unflatten(new_p), new_state, compute_params, lr_ok
+
+
+def _step_scalars(hp: _Hyperparams, count, grad_scale, skip):
+    """(this step's AdamWStepScalars, the advanced count, the skip flag, lr_ok)."""
+    new_count = optax.safe_increment(count)
+    lr = hp.learning_rate(count) if callable(hp.learning_rate) else hp.learning_rate
+    lr = jnp.asarray(lr, f32)
+    # A schedule that returns a non-finite or negative value would write NaN weights or climb the
+    # loss: such a step is refused (nothing changes, the count stays) and reported as not applied.
+    lr_ok = jnp.isfinite(lr) & (lr >= 0)
+    skip = jnp.logical_not(lr_ok) if skip is None else jnp.logical_or(jnp.asarray(skip, bool), ~lr_ok)
+    scalars = ops.step_scalars(learning_rate=jnp.where(lr_ok, lr, 0.0), b1=hp.b1, b2=hp.b2, eps=hp.eps,
+                               weight_decay=hp.weight_decay, step=new_count, grad_scale=grad_scale, skip=skip)
+    return scalars, new_count, skip, lr_ok
+
+
+def _flat_step(hp: _Hyperparams, grads, state, params, *, params_tree, grad_scale=None, skip=None):
+    """`_step` on flat buffers: `params`, `state.mu`, `state.nu` are FlatTrees of one float32 buffer
+    (jmamba.training.flat_buffers), `grads` and `params_tree` (read for the decay mask only) have the
+    params' tree structure. Returns (new flat params, new state with flat moments, lr_ok)."""
+    from jmamba.training.flat_buffers import FlatTree
+
+    if not isinstance(state, FusedAdamWState):
+        raise TypeError(f"state must be the FusedAdamWState from init(params), got {type(state).__name__}")
+    for name, x in (("params", params), ("state.mu", state.mu), ("state.nu", state.nu)):
+        if not isinstance(x, FlatTree) or x.spec is not params.spec or len(x.buffers) != 1 \
+                or x.buffers[0].dtype != f32:
+            raise TypeError(f"{name} must be a FlatTree of one float32 buffer in the params' layout")
+    g_leaves = jax.tree.leaves(grads)
+    spec = params.spec
+    if len(g_leaves) != spec.num_leaves:
+        raise ValueError(f"grads must have one leaf per parameter ({spec.num_leaves}), got {len(g_leaves)}")
+    for k, g in enumerate(g_leaves):
+        if tuple(jnp.shape(g)) != spec.shapes[k]:
+            raise ValueError(f"grads leaf {k} has shape {jnp.shape(g)}, params has {spec.shapes[k]}")
+    for name, x in (("grad_scale", grad_scale), ("skip", skip)):
+        if x is not None and jnp.shape(x) != ():
+            raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(x)}")
+    decay = decay_flags(hp.mask, params_tree, spec.num_leaves)
+    scalars, count, skip, lr_ok = _step_scalars(hp, state.count, grad_scale, skip)
+    p, m, v = ops.adamw_update_flat(params.buffers[0], g_leaves, state.mu.buffers[0], state.nu.buffers[0],
+                                    scalars, decay, offsets=params.offsets(), implementation=hp.implementation,
+                                    tuning=hp.tuning)
+    count = jnp.where(skip, state.count, count)
+    return (FlatTree([p], spec), FusedAdamWState(count=count, mu=FlatTree([m], spec), nu=FlatTree([v], spec)),
+            lr_ok)
 
 
 def _leaves_like(name, tree, treedef, p_leaves):

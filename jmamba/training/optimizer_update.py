@@ -52,11 +52,13 @@ class OptimizerPlan:
       tx: the GradientTransformation to run (MultiSteps' own transformation for a MultiSteps).
       fused: the fused apply `tx` offers, or None.
       has_updated: for MultiSteps, `state -> bool` (did the last update change the params), else None.
+      fused_flat: the in-place apply on flat buffers `tx` offers (`jmamba.fused_adamw` alone), or None.
     """
 
     tx: Any
     fused: Optional[Callable]
     has_updated: Optional[Callable]
+    fused_flat: Optional[Callable] = None
 
     @staticmethod
     @functools.lru_cache(maxsize=64)
@@ -64,7 +66,20 @@ class OptimizerPlan:
         check_optimizer(optimizer)
         if isinstance(optimizer, optax.MultiSteps):
             return OptimizerPlan(optimizer.gradient_transformation(), None, optimizer.has_updated)
-        return OptimizerPlan(optimizer, find_fused_apply(optimizer), None)
+        return OptimizerPlan(optimizer, find_fused_apply(optimizer), None,
+                             getattr(optimizer.update, "fused_apply_flat", None))
+
+    def apply_flat(self, grads, flat_opt_state, flat_params, *, params_tree, factors=(), skip=None):
+        """`apply` with the flat-buffer fused apply: `flat_params` and the moments in `flat_opt_state`
+        are FlatTrees (a flat TrainState's pure form), updated in place; `params_tree` is the params
+        as a tree (read for the decay mask). Only when `fused_flat` is not None. Returns as `apply`,
+        with params and opt_state in the flat form."""
+        applied = jnp.asarray(True) if skip is None else jnp.logical_not(skip)
+        grad_scale = functools.reduce(jnp.multiply, factors) if factors else None
+        params, opt_state, ok = self.fused_flat(grads, flat_opt_state, flat_params, params_tree=params_tree,
+                                                grad_scale=grad_scale, skip=skip)
+        applied = jnp.logical_and(applied, ok)
+        return params, opt_state, applied, applied
 
     def warn_if_unfused(self, opt_state) -> None:
         """One warning per optimizer when a fused transformation inside it cannot run fused."""

@@ -80,7 +80,8 @@ def _backward_jit(state, vjp_fn, d_out, *, optimizer, clip_max_norm, accumulate_
     layout = state.nnx_layout
     view = state.nnx_view()
     new_view, metrics = apply_gradients(view, vjp_fn, d_out, view.recurrent_state, optimizer,
-                                        clip_max_norm=clip_max_norm, accumulate_only=accumulate_only, guard=guard)
+                                        clip_max_norm=clip_max_norm, accumulate_only=accumulate_only, guard=guard,
+                                        flat_state=state if state.is_flat else None)
     return TrainState.from_nnx_view(new_view, layout), metrics
 
 
@@ -113,6 +114,9 @@ def forward(model: nnx.Module, state: TrainState, batch: dict, *, precision="f32
     vocab_size = token_vocab(model)
     if vocab_size is not None:
         check_host_token_ids(batch, vocab_size)
+    if mesh is not None and state.is_flat:
+        raise ValueError("a flat TrainState (TrainState.create(..., flat=True)) runs on one device: "
+                         "create the state with flat=False to train with mesh=")
     with _on_mesh(mesh):
         if mesh is not None:
             state, batch = shard_state(state, mesh, fsdp=fsdp), shard_batch(batch, mesh)

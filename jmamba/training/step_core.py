@@ -31,6 +31,7 @@ from flax import nnx
 
 from jmamba.core.precision import as_precision
 from jmamba.lm import MambaLM
+from jmamba.optim.fused_adamw import FusedAdamWState
 from jmamba.training import accumulation
 from jmamba.training.clipping import clip_coefficient, global_norm
 from jmamba.training.guard import all_finite, restart_nonfinite_rows
@@ -77,11 +78,16 @@ def forward_with_vjp(graphdef, params, recurrent_state, batch, *, precision, tru
 
 
 def apply_gradients(state: TrainState, vjp_fn, d_out, new_recurrent_state, optimizer, *,
-                    clip_max_norm, accumulate_only, guard=True, loss=None, out_dtype=f32):
+                    clip_max_norm, accumulate_only, guard=True, loss=None, out_dtype=f32, flat_state=None):
     """Back-propagates d_out through vjp_fn and updates the state. Returns (new_state, metrics).
 
     `out_dtype`: the dtype of the outputs vjp_fn was traced for (float32 unless the forward ran with
     `narrow_outputs`); the cotangent is scaled in its own precision, then cast to it.
+
+    `flat_state`: for a flat TrainState (`TrainState.create(..., flat=True)`), the state in its flat
+    form (`state` is its `nnx_view()`). With an optimizer that updates flat buffers in place
+    (`jmamba.fused_adamw` alone) the new params and moments are returned as FlatTrees, so packing
+    them back costs nothing; other optimizers run on `state`'s trees.
 
     `loss` (a float32 scalar, or None in the d_out mode) takes part in the guard's finite check.
     """
@@ -120,9 +126,13 @@ def apply_gradients(state: TrainState, vjp_fn, d_out, new_recurrent_state, optim
 
     plan = OptimizerPlan.of(optimizer)
     plan.warn_if_unfused(state.opt_state)
-    params, opt_state, applied, updated = plan.apply(
-        grads, state.opt_state, state.params, factors=factors,
-        skip=None if ok is None else jnp.logical_not(ok), check_update=guard)
+    skip = None if ok is None else jnp.logical_not(ok)
+    if flat_state is not None and plan.fused_flat is not None and isinstance(flat_state.opt_state, FusedAdamWState):
+        params, opt_state, applied, updated = plan.apply_flat(
+            grads, flat_state.opt_state, flat_state.params, params_tree=state.params, factors=factors, skip=skip)
+    else:
+        params, opt_state, applied, updated = plan.apply(
+            grads, state.opt_state, state.params, factors=factors, skip=skip, check_update=guard)
     step = state.step + applied.astype(state.step.dtype)
     updates = state.updates + updated.astype(state.updates.dtype)
     if ls is not None:

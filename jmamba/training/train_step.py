@@ -97,6 +97,7 @@ def make_train_step(model: nnx.Module, optimizer, *,
         # The state arrives with plain-dict params / optimizer state (cheap to pass through the jit
         # boundary); the model and optimizer run on the nnx trees rebuilt here, at trace time.
         layout = state.nnx_layout
+        flat_state = state if state.is_flat else None
         state = state.nnx_view()
         outputs, vjp_fn, (new_rec, rows_reset) = forward_with_vjp(
             graphdef, state.params, state.recurrent_state, batch, precision=precision,
@@ -126,7 +127,8 @@ def make_train_step(model: nnx.Module, optimizer, *,
             metrics["loss"] = loss
         new_state, m = apply_gradients(state, vjp_fn, d_out, new_rec, optimizer,
                                        clip_max_norm=clip_max_norm, accumulate_only=False,
-                                       guard=nonfinite_guard, loss=loss, out_dtype=out_dtype)
+                                       guard=nonfinite_guard, loss=loss, out_dtype=out_dtype,
+                                       flat_state=flat_state)
         metrics.update(m)
         return TrainState.from_nnx_view(new_state, layout), metrics
 
@@ -163,6 +165,9 @@ def _sharded_jit(core, mesh, fsdp, donate_argnums):
     cache = {}
 
     def call(state, batch):
+        if isinstance(state, TrainState) and state.is_flat:
+            raise ValueError("a flat TrainState (TrainState.create(..., flat=True)) runs on one device: "
+                             "create the state with flat=False to train with mesh=")
         key = (jax.tree.structure(state), jax.tree.structure(batch))
         if key not in cache:
             st_sh = state_shardings(state, mesh, fsdp=fsdp)

@@ -34,17 +34,23 @@ keeps the kernel's pointer arguments (7–8 per leaf) well under CUDA's 4 KiB pa
 p, m, v are aliased input→output (`input_output_aliases`); under `jax.jit(..., donate_argnums=...)`
 XLA updates them in place, with no copy.
 
+Flat-buffer layout (`fused_adamw_flat`, for a TrainState created with `flat=True`): p, m and v of
+every leaf live in three 1-D buffers at static offsets, and each launch aliases the three whole
+buffers; the gradients stay separate arrays. Same programs, same arithmetic; the leaf's p/m/v window
+is shifted by its offset. Elements between leaves (alignment padding) are never read or written.
+
 Configuration (no Pallas import): config.py (`AdamWStepScalars`, `KernelConfig`, `COMPUTE_DTYPES`).
 
 Backend: GPU through Triton (`pl.pallas_call` with `plt.CompilerParams`); `interpret=True` runs the
 same kernel on CPU for tests. The pure-JAX path with the same numerics is
-`jmamba.optim.adamw_numerics.adamw_leaf_update`.
+`jmamba/ops/adamw/reference.py` (`adamw_leaf_update`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Optional, Sequence
 
 import jax
@@ -62,27 +68,32 @@ class _LeafSlot:
     size: int          # elements
     first_block: int   # first program id of this leaf in its launch
     decay: bool
+    state_offset: int = 0   # where the leaf starts in p, m, v (non-zero in the flat-buffer layout)
 
 
 def _update_block(scal_ref, p_in, g_in, m_in, v_in, p_out, m_out, v_out, c_out, *,
                   pid, slot: _LeafSlot, block_size: int):
     offset = pl.multiple_of((pid - slot.first_block) * block_size, block_size)
     window = pl.ds(offset, block_size)
+    state_window = window
+    if slot.state_offset:   # a static offset: the hint keeps the loads vectorized
+        align = math.gcd(slot.state_offset, block_size)
+        state_window = pl.ds(pl.multiple_of(slot.state_offset + offset, align), block_size)
     mask = None
     if slot.size % block_size:   # only the leaf's last block can run past its end
         mask = offset + jnp.arange(block_size, dtype=I32) < slot.size
 
-    def load(ref):
+    def load(ref, win):
         if mask is None:   # (Triton rejects `other` without a mask)
-            return plt.load(ref.at[window]).astype(F32)
-        return plt.load(ref.at[window], mask=mask, other=0).astype(F32)
+            return plt.load(ref.at[win]).astype(F32)
+        return plt.load(ref.at[win], mask=mask, other=0).astype(F32)
 
-    def store(ref, x):
-        plt.store(ref.at[window], x.astype(ref.dtype), mask=mask)
+    def store(ref, x, win=state_window):
+        plt.store(ref.at[win], x.astype(ref.dtype), mask=mask)
 
     b1, omb1, b2, omb2, eps, step_size, sqrt_bc2, lr_wd, grad_scale, skip = (
         scal_ref[i] for i in range(len(AdamWStepScalars._fields)))
-    p, g, m, v = load(p_in), load(g_in), load(m_in), load(v_in)
+    p, g, m, v = load(p_in, state_window), load(g_in, window), load(m_in, state_window), load(v_in, state_window)
     g = g * grad_scale
     m_new = b1 * m + omb1 * g
     v_new = b2 * v + omb2 * (g * g)
@@ -95,7 +106,7 @@ def _update_block(scal_ref, p_in, g_in, m_in, v_in, p_out, m_out, v_out, c_out, 
     store(m_out, jnp.where(keep, m, m_new))
     store(v_out, jnp.where(keep, v, v_new))
     if c_out is not None:
-        store(c_out, p_new)
+        store(c_out, p_new, window)
 
 
 def _kernel(scal_ref, *refs, slots: Sequence[_LeafSlot], block_size: int, with_copy: bool):
@@ -201,3 +212,96 @@ def fused_adamw_leaves(params: Sequence[jax.Array], grads: Sequence[jax.Array],
             if compute_dtype is not None:
                 new_c[k] = outs[3].reshape(shape)
     return new_p, new_m, new_v, (None if compute_dtype is None else new_c)
+
+
+# ------------------------------------------------------------------------- the flat-buffer layout
+def _kernel_flat(scal_ref, p_in, m_in, v_in, *refs, slots: Sequence[_LeafSlot], block_size: int):
+    n = len(slots)
+    g_refs, (p_out, m_out, v_out) = refs[:n], refs[n:]
+    pid = pl.program_id(0)
+    for k, slot in enumerate(slots):
+        last_block = slot.first_block + ceil_div(slot.size, block_size)
+
+        @pl.when((pid >= slot.first_block) & (pid < last_block))
+        def _(k=k, slot=slot):
+            _update_block(scal_ref, p_in, g_refs[k], m_in, v_in, p_out, m_out, v_out, None,
+                          pid=pid, slot=slot, block_size=block_size)
+
+
+def _one_flat_launch(scalars, flat_p, flat_m, flat_v, gs, offsets, decay, cfg: KernelConfig, interpret: bool):
+    slots, first = [], 0
+    for g, off, d in zip(gs, offsets, decay):
+        slots.append(_LeafSlot(size=int(g.size), first_block=first, decay=bool(d), state_offset=int(off)))
+        first += ceil_div(int(g.size), cfg.block_size)
+    shape = jax.ShapeDtypeStruct(flat_p.shape, F32)
+    return pl.pallas_call(
+        functools.partial(_kernel_flat, slots=tuple(slots), block_size=cfg.block_size),
+        out_shape=[shape] * 3,
+        grid=(first,),
+        input_output_aliases={1: 0, 2: 1, 3: 2},   # operands: scalars, p, m, v, then the gradients
+        compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+        interpret=interpret,
+        name="fused_adamw_flat",
+    )(scalars, flat_p, flat_m, flat_v, *gs)
+
+
+def fused_adamw_flat(flat_params: jax.Array, grads: Sequence[jax.Array], flat_mu: jax.Array,
+                     flat_nu: jax.Array, offsets: Sequence[int], scalars: AdamWStepScalars,
+                     decay: Sequence[bool], *, config: Optional[KernelConfig] = None):
+    """One AdamW step of leaves that live inside three flat float32 buffers, updated in place.
+
+    Leaf k occupies elements [offsets[k], offsets[k] + grads[k].size) of each of `flat_params`,
+    `flat_mu` and `flat_nu` (row-major, as `x.reshape(-1)` lays it out); its gradient is the
+    separate array `grads[k]`. Elements outside every leaf (alignment padding) are not touched. The
+    per-element arithmetic is `fused_adamw_leaves`' (the same `_update_block`), so a leaf gives
+    bit-identical results in either layout. Launches: ceil(leaves / max_leaves_per_call), each
+    aliasing the three buffers input → output, so under a donating jit the whole update is in place.
+
+    Args:
+      flat_params, flat_mu, flat_nu: 1-D float32 arrays of one length S.
+      grads: float arrays (any shapes), leaf k with grads[k].size elements.
+      offsets: one static int per leaf, in [0, S − size]; the leaves' ranges must not overlap.
+      scalars: this step's `AdamWStepScalars`.
+      decay: one Python bool per leaf.
+      config: launch shape and interpret mode (`KernelConfig()` when None).
+
+    Returns:
+      (new_flat_params, new_flat_mu, new_flat_nu).
+    """
+    cfg = (config or KernelConfig()).validate()
+    n = len(grads)
+    for name, x in (("flat_params", flat_params), ("flat_mu", flat_mu), ("flat_nu", flat_nu)):
+        if x.dtype != F32 or x.ndim != 1:
+            raise TypeError(f"{name} must be a 1-D float32 array, got {x.dtype}{list(x.shape)}")
+        if x.shape != flat_params.shape:
+            raise ValueError(f"{name} must have the length of flat_params {flat_params.shape[0]}, got {x.shape[0]}")
+    for name, xs in (("offsets", offsets), ("decay", decay)):
+        if len(xs) != n:
+            raise ValueError(f"{name} must have one entry per leaf ({n}), got {len(xs)}")
+    size = flat_params.shape[0]
+    if size >= 2 ** 31 - cfg.block_size:
+        raise ValueError(f"flat_params has {size} elements; int32 offsets allow < 2**31")
+    spans = []
+    for k, (g, off) in enumerate(zip(grads, offsets)):
+        if not jnp.issubdtype(g.dtype, jnp.floating):
+            raise TypeError(f"grads[{k}] must be floating, got {g.dtype}")
+        if isinstance(off, bool) or not isinstance(off, int) or off < 0 or off + g.size > size:
+            raise ValueError(f"offsets[{k}] = {off!r} must be an int with the leaf's {g.size} elements inside "
+                             f"the buffers' {size}")
+        spans.append((off, off + g.size))
+    spans.sort()
+    for (a0, a1), (b0, _) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise ValueError(f"offsets: the leaves at [{a0}, {a1}) and from {b0} overlap")
+    if not isinstance(scalars, AdamWStepScalars):
+        raise TypeError(f"scalars must be an AdamWStepScalars, got {type(scalars).__name__}")
+
+    interpret = cfg.interpret if cfg.interpret is not None else jax.default_backend() == "cpu"
+    vec = scalars.as_vector()
+    p, m, v = flat_params, flat_mu, flat_nu
+    live = [k for k in range(n) if grads[k].size > 0]
+    for start in range(0, len(live), cfg.max_leaves_per_call):
+        group = live[start:start + cfg.max_leaves_per_call]
+        p, m, v = _one_flat_launch(vec, p, m, v, [grads[k].reshape(-1) for k in group],
+                                   [offsets[k] for k in group], [decay[k] for k in group], cfg, interpret)
+    return p, m, v

@@ -26,6 +26,7 @@ from jmamba.ops.settings import current_tuning, register_tuning
 from pallas_kernels.fused_adamw import KernelConfig as AdamWKernelConfig   # a plain config class
 
 OP = "adamw_update"
+FLAT_OP = "adamw_update_flat"
 COMPUTE_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -72,6 +73,40 @@ def adamw_update(params, grads, mus, nus, scalars, decay, *, compute_dtype=None,
                    compute_dtype=None if compute_dtype is None else jnp.dtype(compute_dtype), tuning=tuning)
 
 
+def adamw_update_flat(flat_params, grads, flat_mus, flat_nus, scalars, decay, *, offsets,
+                      implementation=None, tuning=None):
+    """`adamw_update` for leaves that live inside three flat float32 buffers (a flat TrainState).
+
+    Leaf k is elements [offsets[k], offsets[k] + grads[k].size) of each buffer, row-major; its
+    gradient is the separate array grads[k]. Elements outside every leaf (padding) are returned
+    unchanged. Each leaf's values are bit-identical to `adamw_update` on that leaf with the same
+    implementation.
+
+    Args:
+      flat_params, flat_mus, flat_nus: 1-D float32 arrays of one length.
+      grads: list of float arrays; offsets: one static int per leaf (ranges must not overlap).
+      scalars, decay, tuning: as `adamw_update` (the same `AdamWTuning`).
+      implementation: None (automatic; follows `dispatch.prefer("adamw_update", ...)`), "reference",
+        "xla" or "pallas".
+
+    Returns:
+      (new_flat_params, new_flat_mus, new_flat_nus). Under a donating jit the Pallas kernel updates
+      the buffers in place.
+    """
+    n = len(grads)
+    for name, xs in (("offsets", offsets), ("decay", decay)):
+        if len(xs) != n:
+            raise ValueError(f"{name} must have one entry per leaf ({n}), got {len(xs)}")
+    for name, x in (("flat_params", flat_params), ("flat_mus", flat_mus), ("flat_nus", flat_nus)):
+        if jnp.result_type(x) != jnp.float32 or jnp.ndim(x) != 1 or jnp.shape(x) != jnp.shape(flat_params):
+            raise ValueError(f"{name} must be a 1-D float32 array of flat_params' length, got "
+                             f"{jnp.result_type(x)}{list(jnp.shape(x))}")
+    tuning = current_tuning(OP, tuning)
+    impl = dispatch.choose(FLAT_OP, implementation if implementation is not None else dispatch.preferred(OP))
+    return impl.fn(flat_params, list(grads), flat_mus, flat_nus, scalars, list(decay),
+                   offsets=tuple(int(o) for o in offsets), tuning=tuning)
+
+
 def _load_reference():
     from jmamba.ops.adamw.reference import adamw_update_reference
     return dispatch.Implementation(adamw_update_reference, lambda **_: None)
@@ -82,7 +117,20 @@ def _load_pallas():
     return implementation()
 
 
+def _load_flat_reference():
+    from jmamba.ops.adamw.reference import adamw_update_flat_reference
+    return dispatch.Implementation(adamw_update_flat_reference, lambda **_: None)
+
+
+def _load_flat_pallas():
+    from jmamba.ops.adamw.pallas import flat_implementation
+    return flat_implementation()
+
+
 register_tuning(OP, AdamWTuning())
 dispatch.register(OP, "reference", _load_reference)
 dispatch.register(OP, "xla", _load_reference)
 dispatch.register(OP, "pallas", _load_pallas)
+dispatch.register(FLAT_OP, "reference", _load_flat_reference)
+dispatch.register(FLAT_OP, "xla", _load_flat_reference)
+dispatch.register(FLAT_OP, "pallas", _load_flat_pallas)

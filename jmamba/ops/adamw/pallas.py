@@ -17,6 +17,13 @@ def adamw_update_pallas(ps, gs, ms, vs, scalars, decay, *, compute_dtype, tuning
                               config=None if tuning is None else tuning.pallas_config)
 
 
+def adamw_update_flat_pallas(flat_p, gs, flat_m, flat_v, scalars, decay, *, offsets, tuning=None):
+    from pallas_kernels.fused_adamw import fused_adamw_flat
+
+    return fused_adamw_flat(flat_p, gs, flat_m, flat_v, offsets, scalars, decay,
+                            config=None if tuning is None else tuning.pallas_config)
+
+
 def supported(*, platform, **_):
     return triton_platform_reason(platform, "the fused AdamW kernel")
 
@@ -25,3 +32,9 @@ def implementation():
     from jmamba.ops import dispatch
 
     return dispatch.Implementation(adamw_update_pallas, supported)
+
+
+def flat_implementation():
+    from jmamba.ops import dispatch
+
+    return dispatch.Implementation(adamw_update_flat_pallas, supported)

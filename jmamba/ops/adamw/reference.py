@@ -8,6 +8,7 @@ elementwise update the reference already is the fast XLA program).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.fused_adamw import AdamWStepScalars
@@ -44,3 +45,30 @@ def adamw_update_reference(ps, gs, ms, vs, scalars, decay, *, compute_dtype, tun
     new_p = [o[0] for o in outs]
     new_c = None if compute_dtype is None else [p.astype(compute_dtype) for p in new_p]
     return new_p, [o[1] for o in outs], [o[2] for o in outs], new_c
+
+
+def adamw_update_flat_reference(flat_p, gs, flat_m, flat_v, scalars, decay, *, offsets, tuning=None):
+    """`adamw_update_flat` in plain JAX: each leaf's window sliced out and updated by
+    `adamw_leaf_update`, and each buffer rebuilt by one concatenate of the new windows and the
+    untouched gaps (one pass over the buffers; per-leaf in-place updates of one buffer would make XLA
+    copy the whole buffer per leaf)."""
+    del tuning
+    order = sorted((off, k) for k, off in enumerate(offsets) if gs[k].size)
+    new = {}
+    for off, k in order:
+        g = gs[k]
+        window = lambda x: jax.lax.slice(x, (off,), (off + g.size,)).reshape(g.shape)   # noqa: E731
+        new[k] = adamw_leaf_update(window(flat_p), g, window(flat_m), window(flat_v), scalars, decay=decay[k])
+
+    def rebuild(old, which):
+        parts, end = [], 0
+        for off, k in order:
+            if off > end:
+                parts.append(jax.lax.slice(old, (end,), (off,)))
+            parts.append(new[k][which].reshape(-1))
+            end = off + gs[k].size
+        if end < old.shape[0]:
+            parts.append(jax.lax.slice(old, (end,), (old.shape[0],)))
+        return jnp.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else old)
+
+    return rebuild(flat_p, 0), rebuild(flat_m, 1), rebuild(flat_v, 2)
