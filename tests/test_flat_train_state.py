@@ -18,7 +18,7 @@ import jmamba
 from builders import d_out_batch, tiny_backbone
 from jmamba import TrainState, fused_adamw, make_train_step, ops
 from jmamba.optim import KernelConfig, no_decay_mask
-from jmamba.training.flat_buffers import ALIGN, FlatSpec, FlatTree
+from jmamba.core.flat_buffers import ALIGN, FlatSpec, FlatTree
 from pallas_kernels.fused_adamw import fused_adamw_flat, fused_adamw_leaves
 
 f32 = jnp.float32

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import optax
 
 from jmamba import ops
+from jmamba.core.flat_buffers import FlatTree
 from jmamba.core.validation import is_static_number
 from jmamba.optim.fused_apply import FUSED_APPLY
 
@@ -261,10 +262,8 @@ def _step_scalars(hp: _Hyperparams, count, grad_scale, skip):
 
 def _flat_step(hp: _Hyperparams, grads, state, params, *, params_tree, grad_scale=None, skip=None):
     """`_step` on flat buffers: `params`, `state.mu`, `state.nu` are FlatTrees of one float32 buffer
-    (jmamba.training.flat_buffers), `grads` and `params_tree` (read for the decay mask only) have the
+    (jmamba.core.flat_buffers), `grads` and `params_tree` (read for the decay mask only) have the
     params' tree structure. Returns (new flat params, new state with flat moments, lr_ok)."""
-    from jmamba.training.flat_buffers import FlatTree
-
     if not isinstance(state, FusedAdamWState):
         raise TypeError(f"state must be the FusedAdamWState from init(params), got {type(state).__name__}")
     for name, x in (("params", params), ("state.mu", state.mu), ("state.nu", state.nu)):

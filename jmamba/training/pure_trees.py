@@ -12,7 +12,7 @@ checks that order once, when the layout is made.
 
 With `flat=True` (`TrainState.create(..., flat=True)`), the pure form goes one step further: the
 params, every params-shaped `nnx.State` inside the optimizer state (e.g. AdamW's moments) and the
-gradient accumulator become `FlatTree`s (jmamba/training/flat_buffers.py: one flat buffer per
+gradient accumulator become `FlatTree`s (jmamba/core/flat_buffers.py: one flat buffer per
 dtype). Converting to the nnx form then slices the buffers (free inside a traced step), and back
 concatenates, except where a tree is a FlatTree already (what an in-place flat optimizer returns):
 it passes as it is.
@@ -30,7 +30,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jmamba.training.flat_buffers import FlatSpec, FlatTree, is_flat
+from jmamba.core.flat_buffers import FlatSpec, FlatTree, is_flat
 
 
 def _is_nnx(x) -> bool:

@@ -95,7 +95,7 @@ class TrainState(struct.PyTreeNode):
           precision: "f32", "bf16" or "f16"; "f16" creates the dynamic loss scale.
           accumulate: allocate a float32 gradient accumulator (for `backward_step(accumulate_only=True)`).
           flat: keep params, the params-shaped optimizer state (AdamW's moments) and the accumulator
-            in one flat float32 buffer each (`jmamba.training.flat_buffers`) instead of one array
+            in one flat float32 buffer each (`jmamba.core.flat_buffers`) instead of one array
             per leaf: a jitted step then passes a few dozen buffers instead of hundreds, which cuts
             the host time per call (4.2 -> 0.3 ms to dispatch the 130m LM's state on an H100 host).
             `jmamba.fused_adamw` (alone) updates the buffers in place; other optimizers run on the
