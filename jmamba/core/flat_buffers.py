@@ -29,10 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmamba.core.interned import Interned
+
 ALIGN = 128   # elements; each leaf starts at a multiple of it
 
 
-class FlatSpec:
+class FlatSpec(Interned):
     """Where each leaf of a flat tree lives.
 
     Attributes:
@@ -42,12 +44,12 @@ class FlatSpec:
       places: per leaf, (buffer index, offset in elements).
     """
 
-    __slots__ = ("shapes", "dtypes", "buffers", "places", "_key", "__weakref__")
+    __slots__ = ("shapes", "dtypes", "buffers", "places", "_hash", "__weakref__")
     _interned: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
     def __init__(self, shapes, dtypes, buffers, places):
         self.shapes, self.dtypes, self.buffers, self.places = shapes, dtypes, buffers, places
-        self._key = (shapes, tuple(str(d) for d in dtypes))
+        self._hash = hash((shapes, tuple(str(d) for d in dtypes)))
 
     @classmethod
     def of(cls, leaves: Sequence) -> "FlatSpec":
@@ -77,18 +79,6 @@ class FlatSpec:
 
     def sizes(self):
         return [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
-
-    def __hash__(self):
-        return hash(self._key)
-
-    def __eq__(self, other):
-        return self is other
-
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
 
     def __repr__(self):
         return (f"FlatSpec({self.num_leaves} leaves in "

@@ -31,6 +31,7 @@ import jax
 from flax import nnx
 
 from jmamba.core.flat_buffers import FlatSpec, FlatTree, is_flat
+from jmamba.core.interned import Interned
 
 
 def _is_nnx(x) -> bool:
@@ -51,7 +52,7 @@ def pure_tree(tree: Any) -> Any:
     return jax.tree.map(_pure_node, tree, is_leaf=_is_nnx)
 
 
-class NnxLayout:
+class NnxLayout(Interned):
     """The pytree structures of a TrainState's nnx trees (params, opt_state) and of their pure copies.
 
     Attributes:
@@ -107,18 +108,6 @@ class NnxLayout:
             found = cls(*defs)
             cls._interned[key] = found
         return found
-
-    def __hash__(self):
-        return self._hash
-
-    def __eq__(self, other):
-        return self is other
-
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
 
     def __repr__(self):
         return (f"NnxLayout({self.params_def.num_leaves} parameter leaves, "
