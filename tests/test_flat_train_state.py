@@ -255,7 +255,7 @@ def test_flat_state_checkpoints_model_and_errors(tmp_path):
 
 
 def test_flat_state_refuses_a_mesh():
-    from jmamba.parallel import make_data_mesh
+    from jmamba.parallel import make_data_mesh, shard_state
 
     model = tiny_backbone("mamba1")
     opt = fused_adamw(1e-2)
@@ -263,6 +263,10 @@ def test_flat_state_refuses_a_mesh():
     step = make_train_step(model, opt, mesh=make_data_mesh(devices=jax.devices()[:1]))
     with pytest.raises(ValueError, match="flat TrainState .* runs on one device"):
         step(state, d_out_batch(0, bsz=2, T=5))
+    with pytest.raises(ValueError, match="flat TrainState .* runs on one device"):
+        shard_state(state, make_data_mesh(devices=jax.devices()[:1]))
+    with pytest.raises(ValueError, match="flat TrainState .* runs on one device"):
+        jmamba.forward(model, state, d_out_batch(0, bsz=2, T=5), mesh=make_data_mesh(devices=jax.devices()[:1]))
 
 
 # ------------------------------------------------------------------------------------- GPU

@@ -128,6 +128,9 @@ def state_shardings(state, mesh, *, fsdp: bool = False):
     if not fields or any(f.metadata.get("placement") not in PLACEMENTS for f in fields):
         raise TypeError(f"state must be a jmamba.TrainState (a dataclass whose fields declare a placement), "
                         f"got {type(state).__name__}")
+    if getattr(state, "is_flat", False):
+        raise ValueError("a flat TrainState (TrainState.create(..., flat=True)) runs on one device: "
+                         "create the state with flat=False to place it on a mesh")
     data, n = _axis(mesh, DATA_AXIS)
     rep = NamedSharding(mesh, P())
 
