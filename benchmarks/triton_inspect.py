@@ -82,7 +82,9 @@ def _op(what, scan_config, shape):
     import jax
     import jax.numpy as jnp
     from benchmarks.measure import scan_config as parse
-    config = parse(scan_config, "mamba3" if what in ("qk_norm", "projection") else what) if scan_config else None
+    config = None
+    if scan_config and not what.startswith("adamw"):
+        config = parse(scan_config, "mamba3" if what in ("qk_norm", "projection") else what)
     if what == "mamba1":
         from pallas_kernels.selective_scan.scan import selective_scan_pallas
         bsz, T, d, n = shape or (8, 2048, 1536, 16)
@@ -146,7 +148,31 @@ def _op(what, scan_config, shape):
             return y, vjp(cots)
         cots = (layout, layout, heads, heads, heads, heads, s((bsz, T, 1, 32), jnp.float32))
         return fwd_bwd, [rest, s((24,), jnp.float32), s((128,), jnp.float32), s((128,), jnp.float32), cots]
-    raise SystemExit(f"unknown op {what!r}: mamba1, mamba3, conv, qk_norm or projection")
+    if what in ("adamw_flat", "adamw_leaves"):   # the fused AdamW on flat buffers (a flat TrainState) / per leaf
+        from jmamba import ops
+        from jmamba.core.flat_buffers import FlatSpec
+        from pallas_kernels.fused_adamw import KernelConfig, fused_adamw_flat, fused_adamw_leaves
+        shapes = [(50280, 768), (768,), (768, 3432), (24,), (1536, 768), (3, 17)]   # LM-like leaves, one odd
+        if what == "adamw_leaves":
+            leaves = [jax.ShapeDtypeStruct(sh, jnp.float32) for sh in shapes]
+
+            def update_leaves(ps, ms, vs, lr, gs):
+                scalars = ops.step_scalars(learning_rate=lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, step=3)
+                return fused_adamw_leaves(ps, gs, ms, vs, scalars, [True, False] * 3,
+                                          config=KernelConfig(interpret=False))[:3]
+            return update_leaves, [leaves, leaves, leaves, jax.ShapeDtypeStruct((), jnp.float32),
+                                   [jax.ShapeDtypeStruct(sh, jnp.bfloat16) for sh in shapes]]
+        spec = FlatSpec.of([jax.ShapeDtypeStruct(sh, jnp.float32) for sh in shapes])
+        offsets = tuple(off for _, off in spec.places)
+        flat = jax.ShapeDtypeStruct((spec.buffers[0][1],), jnp.float32)
+        grads = [jax.ShapeDtypeStruct(sh, jnp.bfloat16) for sh in shapes]
+
+        def update(p, m, v, lr, *g):
+            scalars = ops.step_scalars(learning_rate=lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, step=3)
+            return fused_adamw_flat(p, list(g), m, v, offsets, scalars, [True, False] * 3,
+                                    config=KernelConfig(interpret=False))
+        return update, [flat, flat, flat, jax.ShapeDtypeStruct((), jnp.float32)] + grads
+    raise SystemExit(f"unknown op {what!r}: mamba1, mamba3, conv, qk_norm, projection, adamw_flat or adamw_leaves")
 
 
 # ----------------------------------------------------------------------------------------- compile
@@ -230,7 +256,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("capture")
-    c.add_argument("what", choices=["mamba1", "mamba3", "conv", "qk_norm", "projection"])
+    c.add_argument("what", choices=["mamba1", "mamba3", "conv", "qk_norm", "projection", "adamw_flat", "adamw_leaves"])
     c.add_argument("--out", required=True)
     c.add_argument("--scan-config", default=None)
     c.add_argument("--shape", default=None, help="comma-separated, e.g. 8,2048,1536,16 (mamba1)")
