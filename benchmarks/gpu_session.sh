@@ -198,7 +198,7 @@ for s in $stages; do case $s in
   s29_tests)   run gpu_tests_s29 380 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_mamba3_projected.py tests/test_mamba3_qk_norm.py tests/test_log_sum_exp.py -rA ;;
   proj_bench)  run mamba3_projection_bench 200 python3 benchmarks/bench_mamba3_projection.py ;;
   host_dispatch) for arch in mamba3 mamba1; do run host_dispatch_$arch 90 python3 benchmarks/bench_host_dispatch.py --arch $arch ; done ;;
-  flat_tests)  run gpu_tests_flat_state 150 python3 -m pytest -q -p no:cacheprovider tests/test_flat_train_state.py -rA ;;
+  flat_tests)  run gpu_tests_flat_state 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_flat_train_state.py -rA ;;
   proj_tests)  run gpu_tests_projection 240 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_mamba3_projected.py -rA ;;
   proj_ab)     train_steps mamba3 default fuse_projection=False projection_row_splits=1 \
                  projection_row_splits=4,num_warps_projection=2,num_warps_projection_grad=4 ;;
