@@ -315,7 +315,7 @@ def test_gpu_flat_train_step_matches_the_default_layout():
             losses.append(float(m["loss"]))
         out[flat_state] = (state, losses)
     assert out[True][0].is_flat
-    np.testing.assert_allclose(out[True][1], out[False][1], rtol=1e-4)
+    np.testing.assert_allclose(out[True][1], out[False][1], rtol=2e-3)
     for k, (a, b, x0) in enumerate(zip(jax.tree.leaves(out[False][0].nnx_view().params),
                                        jax.tree.leaves(out[True][0].nnx_view().params), p0)):
         da, db = np.asarray(a) - x0, np.asarray(b) - x0
