@@ -130,6 +130,7 @@ train_steps() {  # arch, configs ("default" or K=V,..., each with optional +keep
     case $cfg in *+exactconv*) extra="$extra --conv-config fast_math=False,fused_multiply_add=False" ;; esac
     case $cfg in *+loopconv*) extra="$extra --conv-config loop_rows=True" ;; esac
     case $cfg in *+flat*) extra="$extra --flat" ;; esac          # TrainState.create(..., flat=True)
+    case $cfg in *+norm4x2*) extra="$extra --norm-config block_rows=4,num_warps=2" ;; esac   # add + RMSNorm launch
     prefer=""
     case $cfg in *+xlanorm*) prefer="$prefer,add_rms_norm=xla" ;; esac
     case $cfg in *+pallaslse*) prefer="$prefer,log_sum_exp=pallas" ;; esac
