@@ -42,14 +42,16 @@ class FlatSpec(Interned):
       buffers: per buffer, (dtype, length in elements); one buffer per distinct leaf dtype, in order
         of first appearance.
       places: per leaf, (buffer index, offset in elements).
+      sizes: per leaf, its number of elements.
     """
 
-    __slots__ = ("shapes", "dtypes", "buffers", "places", "_hash", "__weakref__")
+    __slots__ = ("shapes", "dtypes", "buffers", "places", "sizes", "_hash", "__weakref__")
     _interned: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
-    def __init__(self, shapes, dtypes, buffers, places):
+    def __init__(self, shapes, dtypes, buffers, places, key):
         self.shapes, self.dtypes, self.buffers, self.places = shapes, dtypes, buffers, places
-        self._hash = hash((shapes, tuple(str(d) for d in dtypes)))
+        self.sizes = tuple(int(np.prod(s, dtype=np.int64)) for s in shapes)
+        self._hash = hash(key)
 
     @classmethod
     def of(cls, leaves: Sequence) -> "FlatSpec":
@@ -67,18 +69,14 @@ class FlatSpec(Interned):
                 lengths[dtype] = 0
             offset = lengths[dtype]
             places.append((order.index(dtype), offset))
-            size = int(np.prod(shape, dtype=np.int64))
-            lengths[dtype] = offset + -(-size // ALIGN) * ALIGN
-        spec = cls(shapes, dtypes, tuple((d, lengths[d]) for d in order), tuple(places))
+            lengths[dtype] = offset + -(-int(np.prod(shape, dtype=np.int64)) // ALIGN) * ALIGN
+        spec = cls(shapes, dtypes, tuple((d, lengths[d]) for d in order), tuple(places), key)
         cls._interned[key] = spec
         return spec
 
     @property
     def num_leaves(self) -> int:
         return len(self.shapes)
-
-    def sizes(self):
-        return [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
 
     def __repr__(self):
         return (f"FlatSpec({self.num_leaves} leaves in "
@@ -121,7 +119,7 @@ class FlatTree:
             if off > ends[b]:
                 parts[b].append(jnp.zeros((off - ends[b],), spec.buffers[b][0]))
             parts[b].append(jnp.reshape(x, (-1,)))
-            ends[b] = off + int(np.prod(spec.shapes[k], dtype=np.int64))
+            ends[b] = off + spec.sizes[k]
         buffers = []
         for b, (dtype, length) in enumerate(spec.buffers):
             if length > ends[b]:
@@ -132,8 +130,7 @@ class FlatTree:
     def leaf(self, k: int):
         """Leaf k (a slice of its buffer, reshaped: a copy outside jit, free inside a traced step)."""
         b, off = self.spec.places[k]
-        size = int(np.prod(self.spec.shapes[k], dtype=np.int64))
-        return jax.lax.slice(self.buffers[b], (off,), (off + size,)).reshape(self.spec.shapes[k])
+        return jax.lax.slice(self.buffers[b], (off,), (off + self.spec.sizes[k],)).reshape(self.spec.shapes[k])
 
     def unpack(self) -> list:
         """All leaves, in flatten order."""

@@ -232,9 +232,6 @@ def _step(hp: _Hyperparams, grads, state, params, *, implementation, compute_dty
     for k, p in enumerate(p_leaves):
         if jnp.result_type(p) != f32:
             raise TypeError(f"params must be float32 master weights; leaf {k} is {jnp.result_type(p)}")
-    for name, x in (("grad_scale", grad_scale), ("skip", skip)):
-        if x is not None and jnp.shape(x) != ():
-            raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(x)}")
     decay = decay_flags(hp.mask, params, len(p_leaves))
     scalars, count, skip, lr_ok = _step_scalars(hp, state.count, grad_scale, skip)
     new_p, new_m, new_v, new_c = ops.adamw_update(p_leaves, g_leaves, m_leaves, v_leaves, scalars, decay,
@@ -248,6 +245,9 @@ def _step(hp: _Hyperparams, grads, state, params, *, implementation, compute_dty
 
 def _step_scalars(hp: _Hyperparams, count, grad_scale, skip):
     """(this step's AdamWStepScalars, the advanced count, the skip flag, lr_ok)."""
+    for name, x in (("grad_scale", grad_scale), ("skip", skip)):
+        if x is not None and jnp.shape(x) != ():
+            raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(x)}")
     new_count = optax.safe_increment(count)
     lr = hp.learning_rate(count) if callable(hp.learning_rate) else hp.learning_rate
     lr = jnp.asarray(lr, f32)
@@ -277,9 +277,6 @@ def _flat_step(hp: _Hyperparams, grads, state, params, *, params_tree, grad_scal
     for k, g in enumerate(g_leaves):
         if tuple(jnp.shape(g)) != spec.shapes[k]:
             raise ValueError(f"grads leaf {k} has shape {jnp.shape(g)}, params has {spec.shapes[k]}")
-    for name, x in (("grad_scale", grad_scale), ("skip", skip)):
-        if x is not None and jnp.shape(x) != ():
-            raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(x)}")
     decay = decay_flags(hp.mask, params_tree, spec.num_leaves)
     scalars, count, skip, lr_ok = _step_scalars(hp, state.count, grad_scale, skip)
     p, m, v = ops.adamw_update_flat(params.buffers[0], g_leaves, state.mu.buffers[0], state.nu.buffers[0],
