@@ -75,8 +75,10 @@ def parse_args(argv=None):
                         "batch-size x that), each sequence over --seq-shards")
     p.add_argument("--seq-shards", type=int, default=1,
                    help="sequence parallel: split each sequence's time axis over this many devices (a seq mesh axis)")
-    p.add_argument("--flat", action="store_true",
-                   help="TrainState.create(..., flat=True): params and optimizer state in flat buffers (one device)")
+    p.add_argument("--flat", action=argparse.BooleanOptionalAction, default=None,
+                   help="TrainState.create(..., flat=True): params and optimizer state in one flat buffer per dtype "
+                        "(default: on with one device and no mesh, where it measured 4-6 ms/step faster on an H100, "
+                        "session 33; --no-flat: the plain tree)")
     p.add_argument("--fsdp", action="store_true", help="with --devices > 1: shard parameters and optimizer state over data")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON to PATH")
     p.add_argument("--gc-freeze", action="store_true",
@@ -95,6 +97,10 @@ def parse_args(argv=None):
         import os
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={args.xla_dump}"
                                    " --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$").strip()
+    if args.flat is None:
+        args.flat = args.devices == 1 and args.seq_shards == 1
+    if args.flat and (args.devices > 1 or args.seq_shards > 1):
+        p.error("--flat needs one device and no mesh (--devices 1 --seq-shards 1)")
     if args.tiny:
         args.d_model, args.n_layers, args.vocab, args.batch_size, args.seq_len = 64, 2, 256, 2, 64
         args.steps, args.warmup = 3, 1

@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh [stage ...]     stages: tests m3_tests m3_bench m3_profile adamw_tests adamw
 #                                                  e2e1 e2e3 e2e1_old e2e3_old remat1 noguard1 soak decode dp2
 #                                                  anchors_build side_ops side_train side_long e2e1_prof e2e3p e2e1_long
-#                                                  mixer_bench scan_sweep e2e1_dump e2e3_dump (profile + optimized HLO; M3_PROF_CFG=K=V,... a scan config; PROF_FLAT=1 a flat TrainState)
+#                                                  mixer_bench scan_sweep e2e1_dump e2e3_dump (profile + optimized HLO; M3_PROF_CFG=K=V,... a scan config; PROF_TREE=1 the plain-tree TrainState (flat is the default))
 #                                                  conv_bench tests_m1 scan_parallel e2e3_prof gpu_auto
 #                                                  e2e1_nocb e2e1_cb (command buffers off / widened, XLA_FLAGS)
 #                                                  mosaic_fwd (the Mosaic GPU scan prototypes: GPU tests, forward
@@ -129,7 +129,8 @@ train_steps() {  # arch, configs ("default" or K=V,..., each with optional +keep
     case $cfg in *+recompute*) extra="$extra --mixer-residuals inputs" ;; esac     # the defaults before 2026-12-06
     case $cfg in *+exactconv*) extra="$extra --conv-config fast_math=False,fused_multiply_add=False" ;; esac
     case $cfg in *+loopconv*) extra="$extra --conv-config loop_rows=True" ;; esac
-    case $cfg in *+flat*) extra="$extra --flat" ;; esac          # TrainState.create(..., flat=True)
+    case $cfg in *+flat*) extra="$extra --flat" ;; esac          # TrainState.create(..., flat=True) (the bench's
+    case $cfg in *+tree*) extra="$extra --no-flat" ;; esac       # one-device default since session 33; +tree: the plain tree)
     case $cfg in *+norm4x2*) extra="$extra --norm-config block_rows=4,num_warps=2" ;; esac   # add + RMSNorm launch
     prefer=""
     case $cfg in *+xlanorm*) prefer="$prefer,add_rms_norm=xla" ;; esac
@@ -271,9 +272,9 @@ for s in $stages; do case $s in
   scan_parallel) run scan_sweep_parallel 240 python3 benchmarks/bench_selective_scan.py --sweep --sweep-set parallel --shapes b8t2048 --impls pallas --iters 10 ;;
   e2e1p)       run e2e_mamba1 130 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 ;;
   e2e3p)       run e2e_mamba3 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 10 ;;
-  e2e1_dump)   run e2e_mamba1_profile 200 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 6 --warmup 2 --steady 10 --profile 3 --xla-dump /tmp/hlo1 ${PROF_FLAT:+--flat} ;
+  e2e1_dump)   run e2e_mamba1_profile 200 python3 benchmarks/bench_train_step.py --arch mamba1 --impl pallas --optimizer fused --steps 6 --warmup 2 --steady 10 --profile 3 --xla-dump /tmp/hlo1 ${PROF_TREE:+--no-flat} ;
                pack_hlo /tmp/hlo1 "$OUT/hlo_mamba1.txt.gz" ;;
-  e2e3_dump)   run e2e_mamba3_profile 200 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 6 --warmup 2 --steady 10 --profile 3 --xla-dump /tmp/hlo3 ${M3_PROF_CFG:+--scan-config $M3_PROF_CFG} ${PROF_FLAT:+--flat} ;
+  e2e3_dump)   run e2e_mamba3_profile 200 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 6 --warmup 2 --steady 10 --profile 3 --xla-dump /tmp/hlo3 ${M3_PROF_CFG:+--scan-config $M3_PROF_CFG} ${PROF_TREE:+--no-flat} ;
                pack_hlo /tmp/hlo3 "$OUT/hlo_mamba3.txt.gz" ;;
   conv_bench)  run causal_conv_bench 150 python3 benchmarks/bench_causal_conv.py ;;
   tests_m1)    run gpu_tests_mamba1 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_causal_conv_pallas.py tests/test_mamba1_mixer_core.py tests/test_selective_scan_pallas.py -rA --durations=20 ;;
