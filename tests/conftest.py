@@ -7,6 +7,21 @@ import sys
 # the suite is between runs under the same flags or against tolerances.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
+# One persistent compilation cache for the whole run, shared by the xdist workers and every subprocess
+# a test starts (they inherit the environment): many tests compile the same programs (the main job's
+# train step in each of its fresh processes, the same interpreted kernels at the same shapes in several
+# files), and a hit replaces a CPU compile by a read. The controller makes a fresh directory per run
+# (removed at the end), so nothing carries over between runs; a JAX_COMPILATION_CACHE_DIR of your own
+# is used as it is. A nonzero size limit turns on jax's file lock around every read and write (safe
+# across processes). A hit is the executable a compile would have produced: no numerics change.
+import tempfile  # noqa: E402
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jmamba-test-jax-cache-")
+    os.environ["JMAMBA_TEST_OWNS_JAX_CACHE"] = str(os.getpid())
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -56,6 +71,13 @@ def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):   # pytest-xdist: keep the order set below
         config.option.loadscopereorder = False
     xdist_recovery.install(config)
+
+
+def pytest_unconfigure(config):
+    """Removes the run's compilation cache (in the process that made it: the controller)."""
+    if os.environ.get("JMAMBA_TEST_OWNS_JAX_CACHE") == str(os.getpid()):
+        import shutil
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
