@@ -79,6 +79,9 @@
 # run anchors_ss earlier in the call, carry .anchors).
 # host_dispatch: bench_host_dispatch.py for both models (the TrainState's jit-boundary host cost as it is,
 # as nnx trees, and packed into one buffer per dtype: notes_training_step.md session 31).
+# probe_train / probe_ops: benchmarks/probe_anchor_torch.py, the PyTorch train anchor (PROBE_MODELS, default Mamba3;
+# Mamba1 needs anchors_build's second extension too) with its host issue time, kernel sum and GPU busy time
+# per step, and the host's CPU model (is the anchor bound by the host?).
 # pack_logs: every log in $OUT into logs.tgz (the device tool returns at most 8 files).
 # cache_restore / cache_save: the Triton (official kernels) and JAX compilation caches, unpacked from
 # .devcache/*.tgz (git-ignored; carry .devcache) / packed into $OUT (copy them to .devcache for the next call).
@@ -177,6 +180,8 @@ for s in $stages; do case $s in
                  tag=$(echo "$cfg" | tr '=,' '__'); run m3_profile_${sh}_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape $sh --iters 10 --per-head-angles --scan-config $cfg ; done ; done ;
                run m3_walk_gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -k walking -rA ;;
   e2e3_walk)   run e2e_mamba3_split_passes 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze --scan-config state_passes=split ;;
+  probe_train) wait_ss && { lscpu | grep -E "Model name|^CPU\(s\)|MHz" > "$OUT/host_cpu.txt"; cat "$OUT/host_cpu.txt"; } && run probe_anchor_train 300 python3 benchmarks/probe_anchor_torch.py .anchors /tmp/ab train --models ${PROBE_MODELS:-Mamba3} ;;
+  probe_ops)   wait_ss && run probe_anchor_ops 240 python3 benchmarks/probe_anchor_torch.py .anchors /tmp/ab ops ;;
   probe_anchor) wait_ss && XLA_PYTHON_CLIENT_PREALLOCATE=false run probe_anchor_op 330 python3 benchmarks/probe_anchor_op.py .anchors /tmp/ab ;;
   pack_logs)   (cd "$OUT" && tar czf logs.tgz *.log && rm -f *.log) ;;
   e2e3_skip)   run e2e_mamba3_skip_as_weight 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze --scan-config skip_in_scores=False ;;
