@@ -11,7 +11,7 @@ medians (of the train step, or of an official op's forward / forward+backward) i
 function, in the same state,
 - the host time to issue one step (the Python call returning, no synchronisation) against the
   synchronised step: when they are equal the GPU waits for the host;
-- a torch.profiler trace of 5 synchronised steps: the sum of the GPU kernel times and the union of
+- a torch.profiler trace (GPU activity only) of 3 steps: the sum of the GPU kernel times and the union of
   their intervals (GPU busy time) per step, and the largest kernels (µs per call): the official
   kernels' breakdown to set beside `profile_kernels.py`'s of ours.
 So a step of ~165 ms with ~95 ms of kernels is host-bound on that machine. The anchors' result line
@@ -40,7 +40,7 @@ def busy_union_us(intervals):
     return total
 
 
-def probe(fn, torch, steps=5):
+def probe(fn, torch, steps=3):
     """Host issue time, synchronised wall, kernel sum and GPU busy time per step of fn (ms)."""
     torch.cuda.synchronize()
     issue, wall = [], []
@@ -53,7 +53,7 @@ def probe(fn, torch, steps=5):
         issue.append(t1 - t0)
         wall.append(t2 - t0)
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:   # kernels only: a CPU trace of an eager step is slow
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
@@ -88,8 +88,9 @@ def main(argv=None):
 
     def t_torch(fn, reps=20):
         t = original(fn, reps)
+        print(f"[probe] anchors' median {t * 1e3:.1f} ms (probing...)", flush=True)
         r = probe(fn, torch)
-        print(f"[probe] anchors' median {t * 1e3:.1f} ms | synchronised step {r['wall_ms']:.1f} ms, host "
+        print(f"[probe] synchronised step {r['wall_ms']:.1f} ms, host "
               f"issue {r['issue_ms']:.1f} ms | kernel sum {r['kernel_sum_ms']:.1f} ms, GPU busy "
               f"{r['gpu_busy_ms']:.1f} ms, {r['kernels_per_step']:.0f} kernels per call", flush=True)
         for name, us in r["top"][:a.top]:
