@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 ARGS ?=
 
-.PHONY: train test setup bench clean
+.PHONY: train test test-slow setup bench clean
 
 setup:
 	@scripts/bootstrap.sh
@@ -10,8 +10,12 @@ setup:
 train: setup
 	$(PY) -m jmamba.train_char_lm $(ARGS)
 
+# The default tier; `make test-slow` runs the rest (tests/conftest.py SLOW_TESTS). CI runs both.
 test: setup
-	$(PY) -m pytest -q -n auto --dist loadfile $(ARGS)
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not slow" $(ARGS)
+
+test-slow: setup
+	$(PY) -m pytest -q -n auto --dist loadfile -m slow $(ARGS)
 
 clean:
 	rm -rf .venv .pytest_cache runs
