@@ -24,16 +24,13 @@ def collected_ids():
 
 
 def test_every_slow_entry_names_collected_tests():
-    ids = collected_ids()
-    missing = []
-    for path, function, case in conftest.SLOW_TESTS:
-        def matches(node):
-            file, _, rest = node.partition("::")
-            name, _, param = rest.partition("[")
-            return (os.path.basename(file) == path and (function is None or name == function)
-                    and (case is None or case in param))
-        if not any(matches(node) for node in ids):
-            missing.append((path, function, case))
+    nodes = []
+    for node in collected_ids():
+        file, _, rest = node.partition("::")
+        name, _, param = rest.partition("[")
+        nodes.append((os.path.basename(file), name, param.rstrip("]")))
+    missing = [entry for entry in conftest.SLOW_TESTS
+               if not any(conftest.slow_entry_matches(entry, *node) for node in nodes)]
     assert missing == []
 
 
