@@ -49,6 +49,8 @@
 # norm_tests / norm_bench / norm_ab: the add + RMSNorm kernels (jmamba.ops.add_rms_norm): their GPU tests,
 # bench_rms_norm.py's sweep, the train steps of both models with the kernels (default) and with the XLA
 # composition ("+xlanorm" suffix: --prefer add_rms_norm=xla).
+# norm2_tests: the one-launch sum-of-squares kernel's GPU test (jmamba.ops.sum_of_squares, the global norm); the
+# "+pallasnorm" suffix of e2e1x / e2e3x runs the train step with it (--prefer sum_of_squares=pallas).
 # lse_tests / lse_ab: the one-pass log-sum-exp kernel (jmamba.ops.log_sum_exp): its GPU tests, the train steps
 # with the kernel ("+pallaslse": --prefer log_sum_exp=pallas) and without (the default until then).
 # dx_ab: the Mamba-3 train step with split_dense's default ("reference": JAX's transpose of the barrier) and with
@@ -140,6 +142,7 @@ train_steps() {  # arch, configs ("default" or K=V,..., each with optional +keep
     case $cfg in *+pallaslse*) prefer="$prefer,log_sum_exp=pallas" ;; esac
     case $cfg in *+barrierdx*) prefer="$prefer,split_dense=reference" ;; esac
     case $cfg in *+sumdx*) prefer="$prefer,split_dense=xla" ;; esac
+    case $cfg in *+pallasnorm*) prefer="$prefer,sum_of_squares=pallas" ;; esac   # the global norm in one launch
     [ -n "$prefer" ] && extra="$extra --prefer ${prefer#,}"
     cfg=${cfg%%+*}; [ "$cfg" = default ] && cfg=""
     run e2e_${arch}_$tag 130 python3 benchmarks/bench_train_step.py --arch $arch --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze $extra ${cfg:+--scan-config $cfg} ; done
@@ -197,6 +200,7 @@ for s in $stages; do case $s in
   norm_tests)  run gpu_tests_norm 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_add_rms_norm.py -rA ;;
   norm_bench)  run rms_norm_bench 150 python3 benchmarks/bench_rms_norm.py ;;
   norm_ab)     train_steps mamba1 default default+xlanorm ; train_steps mamba3 default default+xlanorm ;;
+  norm2_tests) run gpu_tests_sum_of_squares 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sum_of_squares.py -rA ;;
   lse_tests)   run gpu_tests_lse 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_log_sum_exp.py -rA ;;
   lse_ab)      train_steps mamba1 default default+pallaslse ; train_steps mamba3 default default+pallaslse ;;
   dx_ab)       train_steps mamba3 default default+sumdx ;;

@@ -13,6 +13,7 @@ from builders import TINY_MAMBA1 as CFG
 from builders import d_out_batch, delayed_copy_batch, gradient_capture, mse_first_feature
 from helpers import assert_close
 from jmamba import Mamba1Backbone, Mamba1Config, TrainState, backward_step, forward, make_train_step
+from jmamba.ops import dispatch
 from jmamba.optim import fused_adamw
 from jmamba.training.loss_scale import DynamicLossScale, update_loss_scale
 
@@ -101,8 +102,16 @@ def test_reduced_precision_training_lowers_the_loss_like_f32(precision):
 
 
 # ------------------------------------------------------------------------------------ clipping
-@pytest.mark.parametrize("max_norm", [1e-3, 1e6])
-def test_clipping_matches_hand_computation(max_norm):
+@pytest.mark.parametrize("max_norm,norm_impl", [(1e-3, "xla"), (1e6, "xla"), (1e-3, "pallas")],
+                         ids=["clipped", "unclipped", "clipped-pallas-norm"])
+def test_clipping_matches_hand_computation(max_norm, norm_impl):
+    """The step's global norm (`jmamba.ops.sum_of_squares`, the automatic per-leaf XLA sums or the
+    one-launch Pallas kernel, interpreted here) and the clipped gradients against float64 by hand."""
+    with dispatch.prefer("sum_of_squares", norm_impl):
+        _check_clipping(max_norm)
+
+
+def _check_clipping(max_norm):
     model = Mamba1Backbone(CFG, rngs=nnx.Rngs(1))
     x, d = data(1)
     # gradients by hand: vjp of the model outputs with d_out

@@ -1,10 +1,12 @@
 """Global-norm gradient clipping with torch semantics (`torch.nn.utils.clip_grad_norm_`).
 
-    norm = sqrt(Σ_leaves Σ g²)                 (float32; leaves reduced one by one, summed in tree order)
+    norm = sqrt(Σ_leaves Σ g²)                 (float32, `jmamba.ops.sum_of_squares` over the leaves)
     coef = max_norm / (norm + 1e-6);  g ← g · coef  only when coef < 1
 
-The pre-clip norm is reported. The per-leaf partial sums are combined in a fixed (tree) order, so the
-result does not depend on scheduling.
+The pre-clip norm is reported. `sum_of_squares` combines its partial sums in a fixed order, so the
+result does not depend on scheduling; its automatic implementation reduces each leaf with XLA and adds
+the sums in tree order (`dispatch.prefer("sum_of_squares", "pallas")` reads every leaf in one kernel
+launch instead).
 """
 
 from __future__ import annotations
@@ -12,15 +14,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jmamba import ops
+
 CLIP_EPS = 1e-6
 
 
 def global_norm(tree) -> jax.Array:
-    leaves = jax.tree.leaves(tree)
-    total = jnp.zeros((), jnp.float32)
-    for x in leaves:   # fixed order
-        total = total + jnp.sum(jnp.square(x.astype(jnp.float32)))
-    return jnp.sqrt(total)
+    """sqrt(Σ over every leaf of Σ x²), float32 scalar (leaves: float16 / bfloat16 / float32 arrays)."""
+    return jnp.sqrt(ops.sum_of_squares(jax.tree.leaves(tree)))
 
 
 def clip_coefficient(norm, max_norm):
