@@ -114,9 +114,9 @@ def test_layouts_are_interned_and_the_step_compiles_once(tmp_path):
 
 
 @pytest.mark.parametrize("run", list(G.RUNS))
-def test_steps_are_bit_identical_to_the_nnx_layout(run):
+def test_steps_match_the_nnx_layout_goldens(run):
     """The four runs of make_train_state_goldens.py, against what the code before the plain-dict
-    TrainState computed (same jax / XLA flags; regenerate the goldens with that script on commit
+    TrainState computed (to float32 rounding grown over three steps: the CPU code XLA emits differs by host; same jax / XLA flags; regenerate the goldens with that script on commit
     3922eb1 for another jax version). The cross entropy's normalizer is pinned to
     `log_sum_exp`'s "reference" (the two passes that code used; since 2026-12-06 the automatic one is a
     one-pass reduction whose last bit can differ), so what is compared is the state and step plumbing."""
@@ -135,7 +135,15 @@ def test_steps_are_bit_identical_to_the_nnx_layout(run):
     assert sorted(got) == sorted(k for k in want.files if k.startswith(run + "/"))
     for k, v in got.items():
         assert v.dtype == want[k].dtype, k
-        np.testing.assert_array_equal(v, want[k], err_msg=k)
+        if np.issubdtype(v.dtype, np.floating):
+            # XLA's CPU code depends on the host's vector units: the goldens came from one machine, and an
+            # AMD EPYC host differs from them by float32 rounding that three steps grow to ≤ 2e-5 of a
+            # leaf's largest value (f16 run). A plumbing error (a wrong leaf, a lost or repeated step, a
+            # skipped update) moves values by ≥ 1e-2 of it (lr 1e-2 updates), so 1e-4 keeps the point.
+            scale = float(np.max(np.abs(want[k]), initial=0.0, where=np.isfinite(want[k])))
+            np.testing.assert_allclose(v, want[k], rtol=1e-4, atol=1e-4 * scale, equal_nan=True, err_msg=k)
+        else:
+            np.testing.assert_array_equal(v, want[k], err_msg=k)
 
 
 def test_a_checkpoint_of_the_nnx_layout_restores(tmp_path):
