@@ -203,13 +203,21 @@ def test_adt_in_the_values_or_keys_launch_matches_reference(with_z, keys, adt, d
     assert forms_adt_with_values(geo, stored) == (with_z and adt)
 
 
-@pytest.mark.parametrize("with_z,dtype,tol", [(True, jnp.float32, 2e-5), (False, jnp.bfloat16, 2e-2)],
-                         ids=["z-f32", "no-z-bf16"])
-def test_keys_and_queries_in_one_launch_match_reference(with_z, dtype, tol):
+@pytest.mark.parametrize("with_z,dtype,tol,rho", [(True, jnp.float32, 2e-5, True), (True, jnp.bfloat16, 2e-2, True),
+                                                  (True, jnp.float32, 2e-5, False), (False, jnp.bfloat16, 2e-2, True)],
+                         ids=["z-f32", "z-bf16", "z-f32-state-dot-in-values", "no-z-bf16"])
+def test_keys_and_queries_in_one_launch_match_reference(with_z, dtype, tol, rho):
     """config.keys_with_queries: dK̃ and dQ from one launch (dADT with the values when Z, with the keys
-    without): every value and cotangent."""
+    without), with the chunk's e^{cs_end}⟨S_c, dS⟩ formed by that launch for the values launch
+    (state_dot_with_keys, only with Z) or by the values launch itself: every value and cotangent."""
+    from pallas_kernels.mamba3_siso.chunk_backward import state_dot_with_keys
     arrays, states = make_inputs((2, 37, 4, 2, 8, 3, 2), dtype, with_z=with_z, seed=19)
-    check_against_reference(arrays, states, 16, tol, Mamba3ScanConfig(keys_with_queries=True))
+    config = Mamba3ScanConfig(keys_with_queries=True, state_dot_with_keys=rho)
+    check_against_reference(arrays, states, 16, tol, config)
+    geo = make_geometry(batch=2, seqlen=37, heads=4, groups=2, headdim=3, d_state=8, num_angles=2, chunk_size=16,
+                        has_z=with_z, matmul_dtype=dtype, io_dtype=dtype, config=config)
+    stored = {"scores": 0} | ({"ungated": 0} if with_z else {})
+    assert state_dot_with_keys(geo, stored) == (with_z and rho)
 
 
 # Shapes whose every kernel-layout piece is at least 16 wide (S = 16 -> even | odd 16 each), so that

@@ -49,6 +49,12 @@ def forms_adt_with_values(geo: ScanGeometry, ops: dict) -> bool:
                 and "ungated" in ops)
 
 
+def state_dot_with_keys(geo: ScanGeometry, ops: dict) -> bool:
+    """config.state_dot_with_keys and what it needs: the keys and queries in one launch (it holds S_c
+    and dS) and the values launch forming dADT (it then reads ρ_S = e^{cs_end}⟨S_c, dS⟩ from it)."""
+    return bool(geo.config.state_dot_with_keys and geo.config.keys_with_queries and forms_adt_with_values(geo, ops))
+
+
 def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, values_only: bool = False) -> dict:
     """The chunk gradients (after the adjoint pass).
 
@@ -68,6 +74,7 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, 
     mm = geo.matmul_dtype
 
     adt_in_values = forms_adt_with_values(geo, ops)
+    rho_from_keys = state_dot_with_keys(geo, ops) and not values_only
 
     def body(refs, *, values: bool, keys: bool, queries: bool):
         """The gradients of the chosen groups: values (dV, dZ, dskip), keys (dK̃, dADT), queries (dQ);
@@ -119,8 +126,11 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, 
                 m = scores.astype(F32) * attn
                 r = jnp.sum(dy * refs["ungated"][...], axis=1) - skip * d_skip - jnp.sum(m, axis=0)
                 to_end = decay.to_end * jnp.sum(v.astype(F32) * k_ds, axis=1)
-                state_dot = total(refs["state"][...].astype(F32) * d_state.astype(F32))
-                refs["d_adt"][...] = reverse_cumsum(r - to_end) + (decay.chunk * state_dot + jnp.sum(to_end))
+                if rho_from_keys:   # ρ_S = e^{cs_end}⟨S_c, dS⟩ from the keys+queries launch
+                    rho_state = jnp.sum(refs["rho_state"][...])
+                else:
+                    rho_state = decay.chunk * total(refs["state"][...].astype(F32) * d_state.astype(F32))
+                refs["d_adt"][...] = reverse_cumsum(r - to_end) + (rho_state + jnp.sum(to_end))
 
         if adt_keys:                                                    # step 2: M = scores ⊙ A
             m = scores.astype(F32) * attn
@@ -142,6 +152,9 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, 
         if queries:
             dy_state = dot(dy, refs["state"][...], mm)                  # dY·S_c  [L, Np]
             refs["dq"][...] = (dot(attn * lam, k, mm) + decay.read[:, None] * dy_state).astype(refs["dq"].dtype)
+        if keys and queries and "rho_state" in refs:                    # for the values launch's dADT
+            state_dot = total(refs["state"][...].astype(F32) * d_state.astype(F32))
+            refs["rho_state"][...] = jnp.full((1,), decay.chunk * state_dot, F32)
 
         if adt_keys:
             # <dY_i, Q_i S_cᵀ> = <dY_i S_c, Q_i>: whichever of the two products this program has
@@ -175,13 +188,17 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, 
         outputs["keys"] = [o for o in outputs["keys"] if o[0] != "d_adt"]
         values_reads |= {"state"}
         keys_reads -= {"state"}
+    rho_spec = grid.chunk_vector(1)           # [Bt, nc, H, 1]: one float32 per (batch row, chunk, head)
+    if rho_from_keys:
+        values_reads -= {"state"}
+        outputs["keys"].append(("rho_state", jax.ShapeDtypeStruct((bsz, geo.n_chunks, H, 1), F32), rho_spec))
     reads = {"values": values_reads,
              "keys": keys_reads,
              "queries": {"k", "v", "z", "d_out", "adt", "state"}}
     launches = {1: [("values", "keys", "queries")], 2: [("values", "keys"), ("queries",)],
                 3: [("values",), ("keys",), ("queries",)]}[geo.config.gradient_kernels]
-    if geo.config.keys_with_queries:
-        launches = [("values",), ("keys", "queries")]
+    if geo.config.keys_with_queries:   # keys first when the values launch reads their ρ_S
+        launches = [("keys", "queries"), ("values",)] if rho_from_keys else [("values",), ("keys", "queries")]
     if values_only:
         if not adt_in_values:
             raise ValueError("chunk_gradients(values_only=True) needs dADT formed by the values launch "
@@ -195,8 +212,11 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, 
         inputs = chunk_inputs(geo, grid, ops, [n for n in ("q", "k", "v", "z", "d_out", "adt", "skip", "scores",
                                                            "ungated") if n in names] + ["diag_weight"])
         inputs += [(n, arrays[n], specs[n]) for n in ("state", "d_state") if n in names]
+        if rho_from_keys and "values" in groups:
+            inputs.append(("rho_state", grads["rho_state"], rho_spec))
         grads.update(layout.launch(
             functools.partial(body, **{g: g in groups for g in ("values", "keys", "queries")}), geo, grid, inputs,
             [o for g in groups for o in outputs[g]], "mamba3_siso_bwd_chunk_gradients_" + "_".join(groups),
             geo.config.num_warps_grad))
+    grads.pop("rho_state", None)
     return grads

@@ -116,6 +116,12 @@ class Mamba3ScanConfig:
       keys_with_queries: with gradient_kernels=3, the keys and queries gradients in one launch (the
         values launch apart): A = dY·Vᵀ, the decay matrix and dY formed once for dK̃ and dQ, one launch
         fewer, more live tiles per program (not yet timed on the GPU).
+      state_dot_with_keys: with keys_with_queries and the values launch forming dADT (adt_in_values
+        with its conditions), the keys+queries launch, which loads the chunk's entering state S_c and
+        the adjoint dS of the state leaving it anyway, also writes the chunk's ρ_S = e^{cs_end}⟨S_c, dS⟩
+        ([Bt, nc, H] float32; it then runs before the values launch), and the values launch reads that
+        scalar instead of S_c (Pp·Np elements fewer per program, ~15% of its bytes, and no [Pp, Np]
+        product and reduction). No effect otherwise.
       rotate_in_chunk_gradients: the queries' and keys' chunk gradients and their rotation back (bias,
         scale, angle and skip-term gradients) in launches of one program per (batch row, chunk, head)
         (head_gradients.py; head_gradient_launches), instead of the keys / queries launches plus the query/key gradient kernel
@@ -201,6 +207,7 @@ class Mamba3ScanConfig:
     stored_for_keys: bool = False
     adt_in_values: bool = True
     keys_with_queries: bool = False
+    state_dot_with_keys: bool = True
     rotate_in_chunk_gradients: bool = False
     head_gradient_launches: int = 2
     num_warps_head_grad: int = 4
@@ -253,7 +260,7 @@ class Mamba3ScanConfig:
                              f"got {self.qk_gradient_dtype!r}")
         if self.stored_for_keys is True and not self.stored_scores:
             raise ValueError("Mamba3ScanConfig.stored_for_keys=True needs stored_scores=True")
-        for name in ("adt_in_values", "keys_with_queries", "rotate_in_chunk_gradients", "skip_in_scores",
+        for name in ("adt_in_values", "keys_with_queries", "state_dot_with_keys", "rotate_in_chunk_gradients", "skip_in_scores",
                      "fast_rotation", "fuse_qk_norm", "fuse_projection"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")
