@@ -536,8 +536,15 @@ def test_query_key_gradient_blocks_lower_for_h200():
 
 
 def test_keys_with_queries_lowers_for_h200():
-    config = Mamba3ScanConfig(keys_with_queries=True, rotate_in_chunk_gradients=False)
+    """keys_with_queries (with state_dot_with_keys: a one-element block per program) and the values launch
+    at its own warps (num_warps_values), the keys+queries launch at num_warps_grad."""
+    import re
+    config = Mamba3ScanConfig(keys_with_queries=True, rotate_in_chunk_gradients=False, num_warps_values=8)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
+    warps = {name: re.findall(r"num_warps = (\d+)", line)
+             for line in text.splitlines() if "__gpu$xla.gpu.triton" in line
+             for name in ("gradients_values", "gradients_keys_queries") if name + "\\00" in line}
+    assert warps == {"gradients_values": ["8"], "gradients_keys_queries": ["4"]}, warps
     assert text.count("__gpu$xla.gpu.triton") == 7
 
 
@@ -668,7 +675,8 @@ def test_kernel_refuses_a_reset_mask_and_a_bad_config():
                                          ("skip_in_scores", "no"), ("fast_rotation", 1),
                                          ("fast_rotation_backward", 0), ("fast_rotation_backward", "False"),
                                          ("state_passes", "fused"), ("walk_block_p", 8), ("walk_block_p", 24),
-                                         ("num_warps_walk", 64)])
+                                         ("num_warps_walk", 64), ("num_warps_values", 3), ("num_warps_values", 64),
+                                         ("state_dot_with_keys", 1)])
 def test_bad_config_raises_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         Mamba3ScanConfig(**{field: value}).validate()

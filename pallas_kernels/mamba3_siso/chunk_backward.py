@@ -217,6 +217,7 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, 
         grads.update(layout.launch(
             functools.partial(body, **{g: g in groups for g in ("values", "keys", "queries")}), geo, grid, inputs,
             [o for g in groups for o in outputs[g]], "mamba3_siso_bwd_chunk_gradients_" + "_".join(groups),
-            geo.config.num_warps_grad))
+            geo.config.num_warps_values if groups == ("values",) and geo.config.num_warps_values is not None
+            else geo.config.num_warps_grad))
     grads.pop("rho_state", None)
     return grads

@@ -59,6 +59,9 @@ class Mamba3ScanConfig:
       num_warps_local: Triton warps of the per-chunk state / adjoint contribution kernels ("split").
       num_warps_chunk: Triton warps of the forward chunk-output kernel.
       num_warps_grad: Triton warps of the backward chunk-gradient kernel(s).
+      num_warps_values: Triton warps of the values gradient launch alone (gradient_kernels=3), or None
+        for num_warps_grad. At 4 warps it needs 255 registers and spills (triton_inspect.py, Triton 3.6,
+        sm_90: 120 B of stack, 8 B with state_dot_with_keys), at 8 warps 181 (144) and none; untimed.
       gradient_kernels: launches the chunk gradients are split into: 1, 2 (dQ apart) or 3 (values dV,
         dZ, dskip / keys dK̃, dADT / queries dQ); see chunk_backward.py.
       num_warps_qk: Triton warps of the forward per-head query/key kernel.
@@ -190,6 +193,7 @@ class Mamba3ScanConfig:
     num_warps_local: int = 4
     num_warps_chunk: int = 4
     num_warps_grad: int = 4
+    num_warps_values: int | None = None
     gradient_kernels: int = 3
     num_warps_qk: int = 8
     num_warps_qk_grad: int = 8
@@ -235,6 +239,9 @@ class Mamba3ScanConfig:
                      "num_warps_qk_grad", "num_warps_head_grad", "num_warps_projection", "num_warps_projection_grad"):
             if getattr(self, name) > 32:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be <= 32 (Triton's limit), got {getattr(self, name)!r}")
+        v = self.num_warps_values
+        if v is not None and (not is_power_of_2(v) or v > 32):
+            raise ValueError(f"Mamba3ScanConfig.num_warps_values must be None or a power of two <= 32, got {v!r}")
         if self.min_chunk > self.max_chunk:
             raise ValueError(f"Mamba3ScanConfig.min_chunk ({self.min_chunk}) must be <= max_chunk ({self.max_chunk})")
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
