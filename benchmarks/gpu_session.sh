@@ -52,7 +52,8 @@
 # kq_tests: the GPU test of Mamba3ScanConfig.keys_with_queries (with state_dot_with_keys, session 34); time it with
 # M3_CFGS="default keys_with_queries=True ..." m3_profx and E2E3_CFGS=keys_with_queries=True e2e3x.
 # norm2_tests: the one-launch sum-of-squares kernel's GPU test (jmamba.ops.sum_of_squares, the global norm); the
-# "+pallasnorm" suffix of e2e1x / e2e3x runs the train step with it (--prefer sum_of_squares=pallas).
+# "+pallasnorm" suffix of e2e1x / e2e3x runs the train step with it (--prefer sum_of_squares=pallas; the automatic
+# choice on one GPU since session 34), "+xlanormsq" with the per-leaf XLA sums instead.
 # lse_tests / lse_ab: the one-pass log-sum-exp kernel (jmamba.ops.log_sum_exp): its GPU tests, the train steps
 # with the kernel ("+pallaslse": --prefer log_sum_exp=pallas) and without (the default until then).
 # dx_ab: the Mamba-3 train step with split_dense's default ("reference": JAX's transpose of the barrier) and with
@@ -144,7 +145,8 @@ train_steps() {  # arch, configs ("default" or K=V,..., each with optional +keep
     case $cfg in *+pallaslse*) prefer="$prefer,log_sum_exp=pallas" ;; esac
     case $cfg in *+barrierdx*) prefer="$prefer,split_dense=reference" ;; esac
     case $cfg in *+sumdx*) prefer="$prefer,split_dense=xla" ;; esac
-    case $cfg in *+pallasnorm*) prefer="$prefer,sum_of_squares=pallas" ;; esac   # the global norm in one launch
+    case $cfg in *+pallasnorm*) prefer="$prefer,sum_of_squares=pallas" ;; esac   # the global norm in one launch (automatic since s34)
+    case $cfg in *+xlanormsq*) prefer="$prefer,sum_of_squares=xla" ;; esac       # the global norm as per-leaf XLA sums
     [ -n "$prefer" ] && extra="$extra --prefer ${prefer#,}"
     cfg=${cfg%%+*}; [ "$cfg" = default ] && cfg=""
     run e2e_${arch}_$tag 130 python3 benchmarks/bench_train_step.py --arch $arch --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze $extra ${cfg:+--scan-config $cfg} ; done

@@ -92,15 +92,27 @@ def test_bad_arguments_are_named():
         SumOfSquaresConfig(max_leaves_per_call=0).validate()
 
 
-def test_pallas_declines_under_a_mesh():
+def test_pallas_declines_under_a_mesh_and_the_automatic_choice_follows():
     from jax.sharding import AbstractMesh, AxisType
+
+    from jmamba.ops.reductions.squares import automatic_implementation
 
     mesh = AbstractMesh((2,), ("data",), (AxisType.Explicit,))
     leaves = [jax.ShapeDtypeStruct((3,), jnp.float32)]
     with jax.sharding.use_abstract_mesh(mesh):
         with pytest.raises(NotImplementedError, match="a mesh .* is active"):
             dispatch.choose("sum_of_squares", "pallas", platform="cuda", leaves=leaves)
+        assert automatic_implementation(leaves, "cuda") == "xla"
     dispatch.choose("sum_of_squares", "pallas", platform="cuda", leaves=leaves)     # no mesh: runs
+    assert automatic_implementation(leaves, "cuda") == "pallas"
+    assert automatic_implementation(leaves, "cpu") == "xla"
+
+
+def test_automatic_on_the_cpu_is_the_per_array_sums_bit_for_bit():
+    leaves = leaves_of(SHAPES, 4, dtypes=(jnp.float32, jnp.bfloat16))
+    got = jax.jit(lambda xs: sum_of_squares(xs))(leaves)
+    want = jax.jit(lambda xs: sum_of_squares(xs, implementation="xla"))(leaves)
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
 
 
 def test_kernel_lowers_to_triton_for_h200(monkeypatch):

@@ -4,9 +4,9 @@
     coef = max_norm / (norm + 1e-6);  g ← g · coef  only when coef < 1
 
 The pre-clip norm is reported. `sum_of_squares` combines its partial sums in a fixed order, so the
-result does not depend on scheduling; its automatic implementation reduces each leaf with XLA and adds
-the sums in tree order (`dispatch.prefer("sum_of_squares", "pallas")` reads every leaf in one kernel
-launch instead).
+result does not depend on scheduling. On one CUDA GPU it reads every leaf in one kernel launch; on the
+CPU and under a multi-device mesh it reduces each leaf with XLA and adds the sums in tree order
+(`dispatch.prefer("sum_of_squares", "xla")` asks for that everywhere).
 """
 
 from __future__ import annotations

@@ -5,15 +5,16 @@ Why an op: a 130M-parameter LM has ~150–250 gradient arrays, and reducing each
 small launches per array (a few µs each, ~250 per training step in the profiles of
 docs/performance.md). Implementations:
   "reference" / "xla": each array's Σ x² (an XLA reduction), the per-array sums added in list order
-    (the same function under both names; "xla" is the automatic choice, `AUTOMATIC`);
+    (the same function under both names);
   "pallas": the arrays' pieces in one launch per `max_leaves_per_call` arrays
-    (`pallas_kernels.sum_of_squares`), the per-program partials summed by one reduction; opt-in with
-    `dispatch.prefer("sum_of_squares", "pallas")` until it is timed in the train step on a GPU.
+    (`pallas_kernels.sum_of_squares`), the per-program partials summed by one reduction.
+The automatic choice (`implementation=None`, no `dispatch.prefer` block; `automatic_implementation`) is
+"pallas" on a CUDA GPU without a mesh axis of size > 1 (where the kernel declines: its arrays may be
+sharded), "xla" otherwise. Measured on an H100 (BENCHMARKS.md, session 34): the kernel takes 0.3–0.7 ms
+off the synchronised train step of both 130M-class models (~250 launches fewer per step).
 Values agree to float32 rounding (the summation order differs); each implementation is deterministic.
 A NaN anywhere gives NaN, an inf gives inf (the guard reads a non-finite norm as a bad step). Not
-differentiable (clipping uses the value only). The Pallas kernel runs on unsharded arrays: under a
-mesh with an axis of size > 1 it declines (its arrays may be sharded), so the automatic choice is the
-XLA one there.
+differentiable (clipping uses the value only).
 
 Implementation contract:
 
@@ -29,14 +30,11 @@ import jax
 import jax.numpy as jnp
 
 from jmamba.ops import dispatch
-from jmamba.ops.pallas_platform import interpret_mode, triton_platform_reason
+from jmamba.ops.pallas_platform import GPU_PLATFORMS, interpret_mode, triton_platform_reason
 from jmamba.ops.settings import current_tuning, register_tuning
 from pallas_kernels.sum_of_squares import SumOfSquaresConfig
 
 OP = "sum_of_squares"
-# What implementation=None runs when no `dispatch.prefer` block names one: the per-array XLA reductions
-# until the kernel's train-step A/B on a GPU (benchmarks/gpu_session.sh `+pallasnorm`) says otherwise.
-AUTOMATIC = "xla"
 F32 = jnp.float32
 
 
@@ -61,7 +59,8 @@ def sum_of_squares(leaves, *, implementation=None, tuning=None):
     Args:
       leaves: a list (or tuple) of float arrays: float16, bfloat16 or float32, any shapes; empty arrays
         and an empty list give 0.
-      implementation: None (a `dispatch.prefer` choice, else `AUTOMATIC`), "reference", "xla" or "pallas".
+      implementation: None (a `dispatch.prefer` choice, else `automatic_implementation`), "reference",
+        "xla" or "pallas".
       tuning: a `SumOfSquaresTuning` (None: the current `jmamba.ops.tuning` settings of sum_of_squares).
     """
     if not isinstance(leaves, (list, tuple)):
@@ -73,9 +72,18 @@ def sum_of_squares(leaves, *, implementation=None, tuning=None):
             raise TypeError(f"leaves[{k}] must be a float16, bfloat16 or float32 array, got dtype {dt}")
     tuning = current_tuning(OP, tuning)
     if implementation is None and dispatch.preferred(OP) is None:
-        implementation = AUTOMATIC
+        implementation = automatic_implementation(leaves)
     impl = dispatch.choose(OP, implementation, leaves=leaves)
     return impl.fn([jnp.asarray(x) for x in leaves], tuning=tuning)
+
+
+def automatic_implementation(leaves, platform=None) -> str:
+    """What `sum_of_squares(leaves)` runs with no implementation named: "pallas" where the kernel runs
+    compiled and unsharded (a CUDA GPU, no mesh axis of size > 1), else "xla"."""
+    platform = platform or dispatch.default_platform()
+    if platform in GPU_PLATFORMS and _pallas_supported(platform=platform, leaves=leaves) is None:
+        return "pallas"
+    return "xla"
 
 
 def per_array_sums(leaves, *, tuning=None):
