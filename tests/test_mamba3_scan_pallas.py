@@ -184,6 +184,14 @@ def test_stored_scores_and_ungated_output_match_reference(with_z, scores, ungate
     check_against_reference(arrays, states, 16, tol, config)
 
 
+def _small_geometry_and_stored(with_z, dtype, config):
+    """(geometry, the forward's stored products by name) of the (2, 37, 4, 2, 8, 3, 2) cases below: which
+    launch forms what is decided from these."""
+    geo = make_geometry(batch=2, seqlen=37, heads=4, groups=2, headdim=3, d_state=8, num_angles=2, chunk_size=16,
+                        has_z=with_z, matmul_dtype=dtype, io_dtype=dtype, config=config)
+    return geo, {"scores": 0} | ({"ungated": 0} if with_z else {})
+
+
 @pytest.mark.parametrize("with_z,keys,adt,dtype,tol", [
     (True, False, False, jnp.float32, 2e-5), (True, False, False, jnp.bfloat16, 2e-2),
     (True, True, True, jnp.float32, 2e-5), (False, False, True, jnp.float32, 2e-5)],
@@ -197,10 +205,7 @@ def test_adt_in_the_values_or_keys_launch_matches_reference(with_z, keys, adt, d
     arrays, states = make_inputs((2, 37, 4, 2, 8, 3, 2), dtype, with_z=with_z, seed=17)
     config = Mamba3ScanConfig(adt_in_values=adt, stored_for_keys=keys)
     check_against_reference(arrays, states, 16, tol, config)
-    geo = make_geometry(batch=2, seqlen=37, heads=4, groups=2, headdim=3, d_state=8, num_angles=2, chunk_size=16,
-                        has_z=with_z, matmul_dtype=dtype, io_dtype=dtype, config=config)
-    stored = {"scores": 0} | ({"ungated": 0} if with_z else {})
-    assert forms_adt_with_values(geo, stored) == (with_z and adt)
+    assert forms_adt_with_values(*_small_geometry_and_stored(with_z, dtype, config)) == (with_z and adt)
 
 
 @pytest.mark.parametrize("with_z,dtype,tol,rho", [(True, jnp.float32, 2e-5, True), (True, jnp.bfloat16, 2e-2, True),
@@ -214,10 +219,7 @@ def test_keys_and_queries_in_one_launch_match_reference(with_z, dtype, tol, rho)
     arrays, states = make_inputs((2, 37, 4, 2, 8, 3, 2), dtype, with_z=with_z, seed=19)
     config = Mamba3ScanConfig(keys_with_queries=True, state_dot_with_keys=rho)
     check_against_reference(arrays, states, 16, tol, config)
-    geo = make_geometry(batch=2, seqlen=37, heads=4, groups=2, headdim=3, d_state=8, num_angles=2, chunk_size=16,
-                        has_z=with_z, matmul_dtype=dtype, io_dtype=dtype, config=config)
-    stored = {"scores": 0} | ({"ungated": 0} if with_z else {})
-    assert state_dot_with_keys(geo, stored) == (with_z and rho)
+    assert state_dot_with_keys(*_small_geometry_and_stored(with_z, dtype, config)) == (with_z and rho)
 
 
 # Shapes whose every kernel-layout piece is at least 16 wide (S = 16 -> even | odd 16 each), so that
