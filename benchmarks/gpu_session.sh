@@ -49,8 +49,9 @@
 # norm_tests / norm_bench / norm_ab: the add + RMSNorm kernels (jmamba.ops.add_rms_norm): their GPU tests,
 # bench_rms_norm.py's sweep, the train steps of both models with the kernels (default) and with the XLA
 # composition ("+xlanorm" suffix: --prefer add_rms_norm=xla).
-# kq_tests: the GPU test of Mamba3ScanConfig.keys_with_queries (with state_dot_with_keys, session 34); time it with
-# M3_CFGS="default keys_with_queries=True ..." m3_profx and E2E3_CFGS=keys_with_queries=True e2e3x.
+# kq_tests: the GPU tests of Mamba3ScanConfig.keys_with_queries (with state_dot_with_keys, session 34) and of
+# bias_gradients_by_xla (session 35); time them with M3_CFGS="default keys_with_queries=True ..." m3_profx and
+# E2E3_CFGS=keys_with_queries=True e2e3x.
 # norm2_tests: the one-launch sum-of-squares kernel's GPU test (jmamba.ops.sum_of_squares, the global norm); the
 # "+pallasnorm" suffix of e2e1x / e2e3x runs the train step with it (--prefer sum_of_squares=pallas; the automatic
 # choice on one GPU since session 34), "+xlanormsq" with the per-leaf XLA sums instead.
@@ -204,7 +205,7 @@ for s in $stages; do case $s in
   norm_tests)  run gpu_tests_norm 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_add_rms_norm.py -rA ;;
   norm_bench)  run rms_norm_bench 150 python3 benchmarks/bench_rms_norm.py ;;
   norm_ab)     train_steps mamba1 default default+xlanorm ; train_steps mamba3 default default+xlanorm ;;
-  kq_tests)    run gpu_tests_keys_with_queries 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -k "keys_and_queries" -rA ;;
+  kq_tests)    run gpu_tests_keys_with_queries 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -k "keys_and_queries or bias_gradients_by_xla" -rA ;;
   norm2_tests) run gpu_tests_sum_of_squares 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sum_of_squares.py -rA ;;
   lse_tests)   run gpu_tests_lse 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_log_sum_exp.py -rA ;;
   lse_ab)      train_steps mamba1 default default+pallaslse ; train_steps mamba3 default default+pallaslse ;;

@@ -357,6 +357,18 @@ def test_query_key_gradient_blocks_match_reference():
     check_against_reference(arrays, states, 16, 2e-5, Mamba3ScanConfig(qk_grad_blocks=2))
 
 
+@pytest.mark.parametrize("shape,skip_in_scores", [
+    ((1, 21, 4, 2, 40, 8, 10), True), ((2, 21, 4, 2, 40, 8, 10), False), ((1, 21, 2, 1, 24, 8, 0), True)],
+    ids=["groups-odd-T", "skip-term-weight", "no-angles"])
+def test_bias_gradients_by_xla_match_reference(shape, skip_in_scores):
+    """Mamba3ScanConfig(bias_gradients_by_xla=True): the query/key gradient kernel without the bias column
+    sums, XLA forming dQ_bias, dK_bias from dq, dk̃ and θ (qk_gradients.bias_gradients), through the op:
+    every value and cotangent; skip_in_scores=False adds the skip term's c·ȳ, c·x̄ to them."""
+    arrays, states = make_inputs(shape, jnp.float32, seed=13)
+    check_against_reference(arrays, states, 16, 2e-5,
+                            Mamba3ScanConfig(bias_gradients_by_xla=True, skip_in_scores=skip_in_scores))
+
+
 @pytest.mark.parametrize("N,S,G,H,splits,shared,sums,blocks,chunk", [
     (7, 1, 3, 6, 4, True, "scan", 1, 16), (7, 1, 3, 6, 1, False, "scan", 1, 16), (12, 6, 1, 2, 4, True, "scan", 1, 16),
     (8, 0, 2, 4, 4, True, "scan", 1, 16), (40, 10, 1, 3, 4, False, "scan", 1, 16), (7, 1, 1, 6, 4, True, "scan", 1, 16),
@@ -821,6 +833,14 @@ def test_gpu_keys_and_queries_in_one_launch_match_reference():
     arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=20)
     check_against_reference(dict(arrays, Angles=arrays["Angles"][:, :, :1]), states, 64, 2.5e-2,
                             Mamba3ScanConfig(keys_with_queries=True, rotate_in_chunk_gradients=False))
+
+
+@pytest.mark.gpu
+def test_gpu_bias_gradients_by_xla_match_reference():
+    """bias_gradients_by_xla (a sweep candidate) at the benchmark shape, shared angles as in the model."""
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=21)
+    check_against_reference(dict(arrays, Angles=arrays["Angles"][:, :, :1]), states, 64, 2.5e-2,
+                            Mamba3ScanConfig(bias_gradients_by_xla=True))
 
 
 @pytest.mark.gpu

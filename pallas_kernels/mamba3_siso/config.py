@@ -71,6 +71,11 @@ class Mamba3ScanConfig:
         registers per program and more programs in flight. The in-chunk reverse sums of the angle
         gradients are then formed per block, and the blocks after it in the chunk are added by XLA
         (the same sums in another order of the float32 additions).
+      bias_gradients_by_xla: the query/key gradient kernel leaves the bias gradients out (their column
+        sums over each block's rows are a third of its head loop and 30 of its 43 barriers,
+        triton_inspect.py, notes_mamba3_scan.md v15) and XLA forms them from dq, dk̃ and θ in two
+        reductions over the batch rows and positions (qk_gradients.bias_gradients; ~300 MB read again
+        at the benchmark shape). The same sums in another order. Untimed; off by default.
       qk_head_splits: the heads of a group are split over this many programs of the query/key kernels
         (the largest divisor of heads-per-group not above it is used): more programs in flight, and
         as many partial group sums of dQ, dK for XLA to add. 1 by default since session 31 (H100, train
@@ -198,6 +203,7 @@ class Mamba3ScanConfig:
     num_warps_qk: int = 8
     num_warps_qk_grad: int = 8
     qk_grad_blocks: int = 1
+    bias_gradients_by_xla: bool = False
     qk_head_splits: int = 1
     num_stages: int = 1
     min_width: int = 16
@@ -267,7 +273,7 @@ class Mamba3ScanConfig:
                              f"got {self.qk_gradient_dtype!r}")
         if self.stored_for_keys is True and not self.stored_scores:
             raise ValueError("Mamba3ScanConfig.stored_for_keys=True needs stored_scores=True")
-        for name in ("adt_in_values", "keys_with_queries", "state_dot_with_keys", "rotate_in_chunk_gradients", "skip_in_scores",
+        for name in ("adt_in_values", "keys_with_queries", "state_dot_with_keys", "bias_gradients_by_xla", "rotate_in_chunk_gradients", "skip_in_scores",
                      "fast_rotation", "fuse_qk_norm", "fuse_projection"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")

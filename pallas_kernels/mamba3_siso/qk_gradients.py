@@ -71,6 +71,7 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
     rotated = theta is not None
     shared_angles = rotated and angles.shape[2] == 1
     with_diagonal = d_diagonal is not None
+    biases_in_kernel = not geo.config.bias_gradients_by_xla
 
     def body(refs):
         def load(ref, name, head=None):
@@ -106,8 +107,9 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
                 if with_diagonal:
                     gq[n] = gq[n] + c * y[n]
                     dk_bar = dk_bar + c * x[n]
-                refs["dqb"][j, pl.ds(start, width)] = jnp.sum(gq[n], axis=0)
-                refs["dkb"][j, pl.ds(start, width)] = jnp.sum(dk_bar, axis=0)
+                if biases_in_kernel:
+                    refs["dqb"][j, pl.ds(start, width)] = jnp.sum(gq[n], axis=0)
+                    refs["dkb"][j, pl.ds(start, width)] = jnp.sum(dk_bar, axis=0)
                 dq_sum[n] = dq_sum[n] + gq[n]
                 dk_sum[n] = dk_sum[n] + dk_bar
             refs["d_scale"][:, j] = d_scale
@@ -153,8 +155,9 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
     partials = jax.ShapeDtypeStruct((bsz, grid.blocks) + slices + (Np,), F32)
     slice_sums = jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Np), F32)
     outputs = [("dQ", slice_sums, grid.slice_rows()), ("dK", slice_sums, grid.slice_rows()),
-               ("dqb", partials, grid.per_chunk(Np)), ("dkb", partials, grid.per_chunk(Np)),
                ("d_scale", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars())]
+    if biases_in_kernel:
+        outputs += [("dqb", partials, grid.per_chunk(Np)), ("dkb", partials, grid.per_chunk(Np))]
     if rotated:
         d_angles = ((jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Sp), F32), grid.slice_rows(Sp)) if shared_angles
                     else (jax.ShapeDtypeStruct((bsz, Tp) + slices + (Sp,), F32), grid.head_rows(Sp)))
@@ -173,9 +176,41 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
         if nb > 1:
             d_angles, d_dt = _add_later_blocks(grid, totals, angles, dt, d_angles, d_dt)
         d_entry = totals.sum(axis=2)
-    return (out["dQ"].sum(axis=3), out["dK"].sum(axis=3),
-            out["dqb"].sum(axis=(0, 1)).reshape(H, Np), out["dkb"].sum(axis=(0, 1)).reshape(H, Np),
+    if biases_in_kernel:
+        dQ_bias, dK_bias = out["dqb"].sum(axis=(0, 1)).reshape(H, Np), out["dkb"].sum(axis=(0, 1)).reshape(H, Np)
+    else:
+        dQ_bias, dK_bias = bias_gradients(geo, Q, K, Q_bias, K_bias, scale, theta, dq, dk, d_diagonal)
+    return (out["dQ"].sum(axis=3), out["dK"].sum(axis=3), dQ_bias, dK_bias,
             out["d_scale"].reshape(bsz, Tp, H), d_angles, d_dt, d_entry)
+
+
+def bias_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta, dq, dk, d_diagonal=None):
+    """(dQ_bias, dK_bias) [H, Np] float32 as XLA reductions over the batch rows and positions
+    (config.bias_gradients_by_xla): dQ_bias[h] = Σ_{b,t} R(θ)ᵀ dq_h and dK_bias[h] = Σ_{b,t} s·R(θ)ᵀ dk̃_h,
+    plus, with the skip term's gradient c_h = d_diagonal, Σ c_h·ȳ_h and Σ c_h·x̄_h (x̄, ȳ the biased
+    rows of the head's group). The same sums as the kernel's per-block column sums added by XLA, in
+    another order of the float32 additions; cos / sin are XLA's (libdevice's on a GPU), as the kernel
+    forms them unless config.fast_rotation_backward. Arguments as for query_key_gradients."""
+    bsz, Tp, G, Np = Q.shape
+    H = geo.heads
+    group_of = lambda x: jnp.repeat(x.astype(F32), geo.heads_per_group, axis=2)     # [Bt, Tp, G, Np] -> H
+    gq, gk = dq.astype(F32), dk.astype(F32) * scale[..., None]
+    if theta is not None:
+        Sp = geo.angle_width
+        c, s = jnp.cos(theta), jnp.sin(theta)                                        # [Bt, Tp, H, Sp]
+
+        def rotated_back(d):
+            even, odd = d[..., :Sp], d[..., Sp:2 * Sp]
+            return jnp.concatenate([c * even + s * odd, c * odd - s * even, d[..., 2 * Sp:]], axis=-1)
+
+        gq, gk = rotated_back(gq), rotated_back(gk)
+    dQ_bias, dK_bias = jnp.sum(gq, axis=(0, 1)), jnp.sum(gk, axis=(0, 1))
+    if d_diagonal is not None:
+        cd = d_diagonal.astype(F32)[..., None]                                         # [Bt, Tp, H, 1]
+        weight = jnp.sum(cd, axis=(0, 1))                                              # [H, 1]
+        dQ_bias = dQ_bias + jnp.sum(cd * group_of(K), axis=(0, 1)) + weight * K_bias.astype(F32)
+        dK_bias = dK_bias + jnp.sum(cd * group_of(Q), axis=(0, 1)) + weight * Q_bias.astype(F32)
+    return dQ_bias, dK_bias
 
 
 def _add_later_blocks(grid: layout.GroupGrid, totals, angles, dt, d_angles, d_dt):
