@@ -191,20 +191,19 @@ def bias_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, theta, dq, dk
     rows of the head's group). The same sums as the kernel's per-block column sums added by XLA, in
     another order of the float32 additions; cos / sin are XLA's (libdevice's on a GPU), as the kernel
     forms them unless config.fast_rotation_backward. Arguments as for query_key_gradients."""
-    bsz, Tp, G, Np = Q.shape
-    H = geo.heads
     group_of = lambda x: jnp.repeat(x.astype(F32), geo.heads_per_group, axis=2)     # [Bt, Tp, G, Np] -> H
     gq, gk = dq.astype(F32), dk.astype(F32) * scale[..., None]
     if theta is not None:
         Sp = geo.angle_width
-        c, s = jnp.cos(theta), jnp.sin(theta)                                        # [Bt, Tp, H, Sp]
+        rotation = (jnp.cos(theta), jnp.sin(theta))                                  # [Bt, Tp, H, Sp]
 
-        def rotated_back(d):
-            even, odd = d[..., :Sp], d[..., Sp:2 * Sp]
-            return jnp.concatenate([c * even + s * odd, c * odd - s * even, d[..., 2 * Sp:]], axis=-1)
-
-        gq, gk = rotated_back(gq), rotated_back(gk)
-    dQ_bias, dK_bias = jnp.sum(gq, axis=(0, 1)), jnp.sum(gk, axis=(0, 1))
+        def summed_back(d):   # Σ_{b,t} R(θ)ᵀ d, piece by piece (no rotated [Bt, Tp, H, Np] array)
+            back = rotate_back({"even": d[..., :Sp], "odd": d[..., Sp:2 * Sp]}, rotation)
+            return jnp.concatenate([jnp.sum(back["even"], axis=(0, 1)), jnp.sum(back["odd"], axis=(0, 1)),
+                                    jnp.sum(d[..., 2 * Sp:], axis=(0, 1))], axis=-1)
+    else:
+        summed_back = lambda d: jnp.sum(d, axis=(0, 1))
+    dQ_bias, dK_bias = summed_back(gq), summed_back(gk)
     if d_diagonal is not None:
         cd = d_diagonal.astype(F32)[..., None]                                         # [Bt, Tp, H, 1]
         weight = jnp.sum(cd, axis=(0, 1))                                              # [H, 1]
