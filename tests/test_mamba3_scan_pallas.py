@@ -289,7 +289,8 @@ def test_rotation_in_the_chunk_gradient_launch_runs_only_where_it_applies(N, S, 
     ((1, 70, 2, 1, 6, 20, 3), jnp.bfloat16, {}, dict(walk_block_p=16), 16, 2e-2),  # 2 row blocks per head
     ((2, 16, 2, 1, 8, 3, 2), jnp.float32, {}, {}, 16, 2e-5),                        # one chunk
     ((1, 50, 2, 2, 8, 3, 2), jnp.float16, {}, dict(num_warps_walk=8), 16, 2e-2),
-], ids=["f32-z", "f32-no-z-no-states", "bf16-two-row-blocks", "f32-one-chunk", "f16"])
+    ((1, 50, 2, 2, 8, 3, 2), jnp.float32, {}, dict(num_warps_adjoint_walk=8), 16, 2e-5),
+], ids=["f32-z", "f32-no-z-no-states", "bf16-two-row-blocks", "f32-one-chunk", "f16", "f32-adjoint-walk-warps"])
 def test_walking_state_passes_match_reference(shape, dtype, options, config, chunk_size, tol):
     """config.state_passes="walk" (the default: each chunk's contribution formed inside the walk over the
     chunks, in both passes) at several row blocks and warps: every value and cotangent, the four
@@ -690,10 +691,20 @@ def test_kernel_refuses_a_reset_mask_and_a_bad_config():
                                          ("fast_rotation_backward", 0), ("fast_rotation_backward", "False"),
                                          ("state_passes", "fused"), ("walk_block_p", 8), ("walk_block_p", 24),
                                          ("num_warps_walk", 64), ("num_warps_values", 3), ("num_warps_values", 64),
+                                         ("num_warps_adjoint_walk", 6), ("num_warps_adjoint_walk", 64),
                                          ("state_dot_with_keys", 1)])
 def test_bad_config_raises_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         Mamba3ScanConfig(**{field: value}).validate()
+
+
+def test_adjoint_walk_warps_apart_from_the_forward_walk():
+    """num_warps_adjoint_walk sets the adjoint walk's warps only; None leaves both walks at num_warps_walk."""
+    from pallas_kernels.mamba3_siso.state_passes import walk_warps
+    apart = Mamba3ScanConfig(num_warps_walk=4, num_warps_adjoint_walk=8)
+    assert (walk_warps(apart, adjoint=False), walk_warps(apart, adjoint=True)) == (4, 8)
+    same = Mamba3ScanConfig(num_warps_walk=2)
+    assert (walk_warps(same, adjoint=False), walk_warps(same, adjoint=True)) == (2, 2)
 
 
 @pytest.mark.parametrize("field", ["stored_scores", "stored_ungated"])

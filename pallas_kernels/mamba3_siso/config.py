@@ -56,6 +56,9 @@ class Mamba3ScanConfig:
       walk_block_p, num_warps_walk: headdim rows per program (at most Pp are used) and Triton warps of
         the "walk" launches (64 rows: one program per head, K̃ / Q read once; 32 rows was slower, +93 µs
         at B=32 T=512).
+      num_warps_adjoint_walk: Triton warps of the backward's adjoint walk alone, or None for
+        num_warps_walk (at 4 warps it needs 255 registers and spills 32 B on its serial chain, at 8
+        warps 180 and none, but then one program per SM: triton_inspect.py, Triton 3.6, sm_90).
       num_warps_local: Triton warps of the per-chunk state / adjoint contribution kernels ("split").
       num_warps_chunk: Triton warps of the forward chunk-output kernel.
       num_warps_grad: Triton warps of the backward chunk-gradient kernel(s).
@@ -195,6 +198,7 @@ class Mamba3ScanConfig:
     state_passes: str = "walk"
     walk_block_p: int = 64
     num_warps_walk: int = 4
+    num_warps_adjoint_walk: int | None = None
     num_warps_local: int = 4
     num_warps_chunk: int = 4
     num_warps_grad: int = 4
@@ -245,9 +249,10 @@ class Mamba3ScanConfig:
                      "num_warps_qk_grad", "num_warps_head_grad", "num_warps_projection", "num_warps_projection_grad"):
             if getattr(self, name) > 32:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be <= 32 (Triton's limit), got {getattr(self, name)!r}")
-        v = self.num_warps_values
-        if v is not None and (not is_power_of_2(v) or v > 32):
-            raise ValueError(f"Mamba3ScanConfig.num_warps_values must be None or a power of two <= 32, got {v!r}")
+        for name in ("num_warps_values", "num_warps_adjoint_walk"):
+            v = getattr(self, name)
+            if v is not None and (not is_power_of_2(v) or v > 32):
+                raise ValueError(f"Mamba3ScanConfig.{name} must be None or a power of two <= 32, got {v!r}")
         if self.min_chunk > self.max_chunk:
             raise ValueError(f"Mamba3ScanConfig.min_chunk ({self.min_chunk}) must be <= max_chunk ({self.max_chunk})")
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:

@@ -187,8 +187,16 @@ def walk_chunks(geo: ScanGeometry, ops: dict, boundary, *, adjoint: bool):
                ("last", jax.ShapeDtypeStruct((bsz, H, Pp, Np), F32), grid.state())]
     out = layout.launch(body, geo, grid, inputs, outputs,
                         "mamba3_siso_bwd_adjoint_walk" if adjoint else "mamba3_siso_fwd_state_walk",
-                        geo.config.num_warps_walk)
+                        walk_warps(geo.config, adjoint))
     return out["each"], out["last"]
+
+
+def walk_warps(config, adjoint: bool) -> int:
+    """Triton warps of a walk launch: config.num_warps_adjoint_walk for the adjoint walk when set, else
+    config.num_warps_walk."""
+    if adjoint and config.num_warps_adjoint_walk is not None:
+        return config.num_warps_adjoint_walk
+    return config.num_warps_walk
 
 
 def forward_state_pass(geo: ScanGeometry, ops: dict):
