@@ -148,6 +148,7 @@ train_steps() {  # arch, configs ("default" or K=V,..., each with optional +keep
     case $cfg in *+sumdx*) prefer="$prefer,split_dense=xla" ;; esac
     case $cfg in *+pallasnorm*) prefer="$prefer,sum_of_squares=pallas" ;; esac   # the global norm in one launch (automatic since s34)
     case $cfg in *+xlanormsq*) prefer="$prefer,sum_of_squares=xla" ;; esac       # the global norm as per-leaf XLA sums
+    case $cfg in *+xlarows*) prefer="$prefer,finite_rows=xla" ;; esac            # the guard's state check per leaf (before s36)
     [ -n "$prefer" ] && extra="$extra --prefer ${prefer#,}"
     cfg=${cfg%%+*}; [ "$cfg" = default ] && cfg=""
     run e2e_${arch}_$tag 130 python3 benchmarks/bench_train_step.py --arch $arch --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze $extra ${cfg:+--scan-config $cfg} ; done
@@ -205,6 +206,7 @@ for s in $stages; do case $s in
   norm_tests)  run gpu_tests_norm 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_add_rms_norm.py -rA ;;
   norm_bench)  run rms_norm_bench 150 python3 benchmarks/bench_rms_norm.py ;;
   norm_ab)     train_steps mamba1 default default+xlanorm ; train_steps mamba3 default default+xlanorm ;;
+  fr_tests)    run gpu_tests_finite_rows 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_finite_rows.py -rA ;;
   kq_tests)    run gpu_tests_keys_with_queries 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -k "keys_and_queries or bias_gradients_by_xla" -rA ;;
   norm2_tests) run gpu_tests_sum_of_squares 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sum_of_squares.py -rA ;;
   lse_tests)   run gpu_tests_lse 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_log_sum_exp.py -rA ;;

@@ -180,6 +180,6 @@ def test_import_jmamba_loads_no_pallas_backend():
             "bad = sorted(m for m in sys.modules if m.startswith(('jax.experimental.pallas', "
             "'jax._src.pallas.triton', 'jax._src.pallas.mosaic_gpu.core')) or (m.startswith('pallas_kernels') "
             "and not m.endswith(('.config', 'common', '.dtypes', '.sizes', '.lazy', 'pallas_kernels', "
-            "'selective_scan', 'mamba3_siso', 'fused_adamw', 'rms_norm', 'log_sum_exp', 'sum_of_squares')))); print(bad); sys.exit(1 if bad else 0)")
+            "'selective_scan', 'mamba3_siso', 'fused_adamw', 'rms_norm', 'log_sum_exp', 'sum_of_squares', 'finite_rows')))); print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr

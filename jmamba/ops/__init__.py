@@ -7,7 +7,9 @@ Public names (models, training and users import only these):
   fused mixer: mamba1_mixer_core, Mamba1CoreState, causal_conv1d, causal_conv1d_step
   norms:       add_rms_norm (the pre-norm residual step), rms_norm   (+ RMSNormTuning)
   reductions:  log_sum_exp (one pass over wide rows: the cross entropy's normalizer)   (+ LogSumExpTuning),
-               sum_of_squares (Σ x² over a list of arrays: the global gradient norm)   (+ SumOfSquaresTuning)
+               sum_of_squares (Σ x² over a list of arrays: the global gradient norm)   (+ SumOfSquaresTuning),
+               finite_rows (the rows of a list of arrays that are all finite: the guard's state check)
+               (+ FiniteRowsTuning)
   projections: split_dense (a dense layer's output as column blocks, one matmul each)
   decode:      selective_scan_step, mamba3_siso_step
   optimizer:   adamw_update, adamw_update_flat, step_scalars, bias_correction, AdamWTuning, AdamWKernelConfig
@@ -31,7 +33,8 @@ from jmamba.ops.adamw import (AdamWKernelConfig, AdamWTuning, adamw_update, adam
 from jmamba.ops.mamba1_mixer import Mamba1CoreState, causal_conv1d, causal_conv1d_step, mamba1_mixer_core
 from jmamba.ops.norms import RMSNormTuning, add_rms_norm, rms_norm
 from jmamba.ops.projections import split_dense
-from jmamba.ops.reductions import LogSumExpTuning, SumOfSquaresTuning, log_sum_exp, sum_of_squares
+from jmamba.ops.reductions import (FiniteRowsTuning, LogSumExpTuning, SumOfSquaresTuning, finite_rows, log_sum_exp,
+                                   sum_of_squares)
 from jmamba.ops.mamba3_siso_scan import (Mamba3QKNorm, Mamba3ScanState, Mamba3ScanTuning, mamba3_siso_scan,
                                          mamba3_projected_inputs, mamba3_siso_scan_projected,
                                          mamba3_siso_step)
@@ -40,9 +43,9 @@ from jmamba.ops.selective_scan import (SelectiveScanState, SelectiveScanTuning, 
 from jmamba.ops.selective_scan.common import softplus_thresholded
 from jmamba.ops.settings import current_tuning, set_default_tuning, tuning
 
-__all__ = ["AdamWKernelConfig", "AdamWTuning", "LogSumExpTuning", "Mamba1CoreState", "Mamba3QKNorm", "Mamba3ScanState", "Mamba3ScanTuning",
+__all__ = ["AdamWKernelConfig", "AdamWTuning", "FiniteRowsTuning", "LogSumExpTuning", "Mamba1CoreState", "Mamba3QKNorm", "Mamba3ScanState", "Mamba3ScanTuning",
            "RMSNormTuning", "SelectiveScanState", "SelectiveScanTuning", "SumOfSquaresTuning", "add_rms_norm",
-           "adamw_update", "adamw_update_flat", "bias_correction", "causal_conv1d", "causal_conv1d_step", "current_tuning", "dispatch", "log_sum_exp",
+           "adamw_update", "adamw_update_flat", "bias_correction", "causal_conv1d", "causal_conv1d_step", "current_tuning", "dispatch", "finite_rows", "log_sum_exp",
            "mamba1_mixer_core", "mamba3_projected_inputs", "mamba3_siso_scan", "mamba3_siso_scan_projected",
            "mamba3_siso_step", "rms_norm", "selective_scan", "selective_scan_step", "set_default_tuning",
            "softplus_thresholded", "split_dense", "step_scalars", "sum_of_squares", "tuning"]
