@@ -55,8 +55,10 @@ ARG_NAMES = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "Angles", "
 SWEEP = [
     DEFAULT_CONFIG,
     dataclasses.replace(DEFAULT_CONFIG, stored_state_dtype="float32"),
-    dataclasses.replace(DEFAULT_CONFIG, gradient_kernels=1, stored_scores=False, stored_ungated=False),
-    dataclasses.replace(DEFAULT_CONFIG, gradient_kernels=2, stored_scores=False, stored_ungated=False),
+    dataclasses.replace(DEFAULT_CONFIG, gradient_kernels=1, stored_scores=False, stored_ungated=False,
+                        keys_with_queries=False),
+    dataclasses.replace(DEFAULT_CONFIG, gradient_kernels=2, stored_scores=False, stored_ungated=False,
+                        keys_with_queries=False),
     dataclasses.replace(DEFAULT_CONFIG, num_warps_grad=8),
     dataclasses.replace(DEFAULT_CONFIG, num_warps_chunk=8),
     dataclasses.replace(DEFAULT_CONFIG, num_warps_local=8),

@@ -148,7 +148,7 @@ train_steps() {  # arch, configs ("default" or K=V,..., each with optional +keep
     case $cfg in *+sumdx*) prefer="$prefer,split_dense=xla" ;; esac
     case $cfg in *+pallasnorm*) prefer="$prefer,sum_of_squares=pallas" ;; esac   # the global norm in one launch (automatic since s34)
     case $cfg in *+xlanormsq*) prefer="$prefer,sum_of_squares=xla" ;; esac       # the global norm as per-leaf XLA sums
-    case $cfg in *+xlarows*) prefer="$prefer,finite_rows=xla" ;; esac            # the guard's state check per leaf (before s36)
+    case $cfg in *+pallasrows*) prefer="$prefer,finite_rows=pallas" ;; esac      # the guard's state check in one launch (opt-in)
     [ -n "$prefer" ] && extra="$extra --prefer ${prefer#,}"
     cfg=${cfg%%+*}; [ "$cfg" = default ] && cfg=""
     run e2e_${arch}_$tag 130 python3 benchmarks/bench_train_step.py --arch $arch --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze $extra ${cfg:+--scan-config $cfg} ; done

@@ -109,7 +109,7 @@ def test_bad_arguments_are_named():
         FiniteRowsConfig(max_leaves_per_call=0).validate()
 
 
-def test_pallas_declines_under_a_mesh_and_the_automatic_choice_follows():
+def test_pallas_declines_under_a_mesh_and_is_opt_in():
     from jax.sharding import AbstractMesh, AxisType
 
     from jmamba.ops.reductions.finite import automatic_implementation
@@ -121,7 +121,8 @@ def test_pallas_declines_under_a_mesh_and_the_automatic_choice_follows():
             dispatch.choose("finite_rows", "pallas", platform="cuda", leaves=leaves)
         assert automatic_implementation(leaves, "cuda") == "xla"
     dispatch.choose("finite_rows", "pallas", platform="cuda", leaves=leaves)     # no mesh: runs
-    assert automatic_implementation(leaves, "cuda") == "pallas"
+    # opt-in: no faster in the train step on an H100 (session 36), so never the automatic choice
+    assert automatic_implementation(leaves, "cuda") == "xla"
     assert automatic_implementation(leaves, "cpu") == "xla"
 
 

@@ -40,7 +40,7 @@ STATES = Mamba3ScanState._fields
 # The queries' and keys' gradients rotated back in their chunk launches (head_gradients.py; off by default).
 ROTATE_IN_CHUNKS = Mamba3ScanConfig(rotate_in_chunk_gradients=True)
 # The stored-products defaults off (with one or two gradient launches they are refused).
-NOT_STORED = dict(stored_scores=False, stored_ungated=False)
+NOT_STORED = dict(stored_scores=False, stored_ungated=False, keys_with_queries=False)   # any gradient_kernels
 # Gradients that sum over (batch, time) or over a whole chunk of terms: compared at twice the tolerance.
 SUMMED = ("ADT", "DT", "Angles", "Q_bias", "K_bias", "D", "angle")
 
@@ -516,21 +516,24 @@ def _lower_for_h200(shape, dtype, *, with_z=True, config=None):
 
 
 @pytest.mark.parametrize("shape,dtype,with_z,config,launches", [
-    ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True, None, 8),              # the benchmark shape
+    ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True, None, 7),              # the benchmark shape
     # the queries' and keys' gradients rotated back in their chunk launches (head_gradients.py)
     ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True, ROTATE_IN_CHUNKS, 7),
     ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True,
      dataclasses.replace(ROTATE_IN_CHUNKS, head_gradient_launches=1), 6),
-    ((2, 70, 6, 3, 7, 20, 1), jnp.float32, False, None, 8),      # padding everywhere, groups, no Z
-    ((1, 64, 2, 1, 16, 64, 8), jnp.float16, True, None, 8),      # rope_fraction 1.0, f16 dots, 8-wide pieces
+    ((2, 70, 6, 3, 7, 20, 1), jnp.float32, False, None, 7),      # padding everywhere, groups, no Z
+    ((1, 64, 2, 1, 16, 64, 8), jnp.float16, True, None, 7),      # rope_fraction 1.0, f16 dots, 8-wide pieces
+    ((2, 64, 4, 1, 16, 32, 8), jnp.bfloat16, True, Mamba3ScanConfig(keys_with_queries=False), 8),
     ((2, 64, 4, 2, 64, 20, 16), jnp.float32, True,
      dataclasses.replace(ROTATE_IN_CHUNKS, angle_sums="matmul", num_warps_head_grad=8), 7),
-], ids=["perf-shape-bf16", "perf-shape-bf16-head-launches", "perf-shape-bf16-one-head-launch", "odd-shape-f32", "fullrope-f16", "f32-head-grad-matmul"])
+], ids=["perf-shape-bf16", "perf-shape-bf16-head-launches", "perf-shape-bf16-one-head-launch", "odd-shape-f32", "fullrope-f16",
+        "keys-apart-bf16", "f32-head-grad-matmul"])
 def test_kernels_lower_to_triton_for_h200(shape, dtype, with_z, config, launches):
     text = _lower_for_h200(shape, dtype, with_z=with_z, config=config)
     # forward: queries/keys, the state walk, chunk outputs; backward: the adjoint walk, then the values
-    # launch and the queries' and keys' head gradient launches (7; one launch for both: 6), or the values,
-    # keys and queries launches and the query/key gradient kernel (8); state_passes="split" adds two
+    # launch and the queries' and keys' head gradient launches (7; one launch for both: 6), or the
+    # keys+queries and values launches and the query/key gradient kernel (7; keys_with_queries=False:
+    # keys and queries apart, 8); state_passes="split" adds two
     assert text.count("__gpu$xla.gpu.triton") == launches
 
 
@@ -538,7 +541,7 @@ def test_angle_sums_by_matmul_lower_for_h200():
     """Mamba3ScanConfig(angle_sums="matmul"): the triangular dots in both query/key kernels lower."""
     config = Mamba3ScanConfig(angle_sums="matmul", rotate_in_chunk_gradients=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 8
+    assert text.count("__gpu$xla.gpu.triton") == 7   # keys+queries in one launch (the default)
 
 
 def test_query_key_gradient_blocks_lower_for_h200():
@@ -547,7 +550,7 @@ def test_query_key_gradient_blocks_lower_for_h200():
     config = Mamba3ScanConfig(qk_grad_blocks=4, num_warps_qk_grad=16, qk_gradient_dtype="float32",
                               rotate_in_chunk_gradients=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 8
+    assert text.count("__gpu$xla.gpu.triton") == 7   # keys+queries in one launch (the default)
 
 
 def test_keys_with_queries_lowers_for_h200():
@@ -566,28 +569,28 @@ def test_keys_with_queries_lowers_for_h200():
 def test_skip_term_as_a_per_position_weight_lowers_for_h200():
     config = Mamba3ScanConfig(skip_in_scores=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 8
+    assert text.count("__gpu$xla.gpu.triton") == 7   # keys+queries in one launch (the default)
 
 
 def test_split_state_passes_lower_for_h200():
     """state_passes="split": each pass is a contribution launch and a combine (the default walk is one)."""
     config = Mamba3ScanConfig(state_passes="split")
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 10
+    assert text.count("__gpu$xla.gpu.triton") == 9
 
 
 def test_adt_in_the_keys_launch_lowers_for_h200():
     """adt_in_values=False (the default, dADT with the values, is lowered by the tests above)."""
     config = Mamba3ScanConfig(adt_in_values=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 8
+    assert text.count("__gpu$xla.gpu.triton") == 7   # keys+queries in one launch (the default)
 
 
 def test_stored_for_keys_lowers_for_h200():
     """(The default, scores and ungated Y stored for the values launch, is lowered by the tests above.)"""
     config = Mamba3ScanConfig(stored_for_keys=True, rotate_in_chunk_gradients=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 8
+    assert text.count("__gpu$xla.gpu.triton") == 7   # keys+queries in one launch (the default)
 
 
 @pytest.mark.parametrize("config,kernels_rotating", [

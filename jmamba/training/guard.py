@@ -33,8 +33,8 @@ def all_finite(tree) -> jax.Array:
 
 def finite_rows(state, batch_size: int) -> jax.Array:
     """[B] bool: True where every leaf of `state` (each with leading axis B) is finite in that row
-    (`jmamba.ops.finite_rows`: on one CUDA GPU every leaf in one kernel launch, elsewhere one XLA row
-    reduction per leaf; the answer is the same exactly)."""
+    (`jmamba.ops.finite_rows`: one XLA row reduction per leaf, or with `dispatch.prefer("finite_rows",
+    "pallas")` every leaf in one kernel launch; the answer is the same exactly)."""
     return ops.finite_rows(jax.tree.leaves(state), batch_size)
 
 

@@ -64,7 +64,8 @@ class Mamba3ScanConfig:
       num_warps_grad: Triton warps of the backward chunk-gradient kernel(s).
       num_warps_values: Triton warps of the values gradient launch alone (gradient_kernels=3), or None
         for num_warps_grad. At 4 warps it needs 255 registers and spills (triton_inspect.py, Triton 3.6,
-        sm_90: 120 B of stack, 8 B with state_dot_with_keys), at 8 warps 181 (144) and none; untimed.
+        sm_90: 120 B of stack, 8 B with state_dot_with_keys), at 8 warps 181 (144) and none, yet 8 warps
+        were slower on an H100 (session 36, with state_dot_with_keys: 320 → 440 µs per op call).
       gradient_kernels: launches the chunk gradients are split into: 1, 2 (dQ apart) or 3 (values dV,
         dZ, dskip / keys dK̃, dADT / queries dQ); see chunk_backward.py.
       num_warps_qk: Triton warps of the forward per-head query/key kernel.
@@ -124,9 +125,11 @@ class Mamba3ScanConfig:
         reductions): M = scores ⊙ A then uses the stored scores, rounded to the dot operand dtype
         unless stored_for_keys keeps them in float32. Otherwise dADT stays in the keys launch. H200,
         session 17: op fwd+bwd −0.15 to −0.18 ms, train step 88.0 → 84.2 ms.
-      keys_with_queries: with gradient_kernels=3, the keys and queries gradients in one launch (the
-        values launch apart): A = dY·Vᵀ, the decay matrix and dY formed once for dK̃ and dQ, one launch
-        fewer, more live tiles per program (not yet timed on the GPU).
+      keys_with_queries: with gradient_kernels=3 (the default; set it False with 1 or 2), the keys and
+        queries gradients in one launch (the values launch apart): A = dY·Vᵀ, the decay matrix and dY
+        formed once for dK̃ and dQ, one launch fewer. H100, session 36 (per-head angles, µs per op call,
+        B=8 T=2048 / B=32 T=512): keys 181 / 182 + queries 178 / 178 → one launch 311 / 312, and with
+        state_dot_with_keys the values launch 389 / 388 → 320 / 321.
       state_dot_with_keys: with keys_with_queries and the values launch forming dADT (adt_in_values
         with its conditions), the keys+queries launch, which loads the chunk's entering state S_c and
         the adjoint dS of the state leaving it anyway, also writes the chunk's ρ_S = e^{cs_end}⟨S_c, dS⟩
@@ -220,7 +223,7 @@ class Mamba3ScanConfig:
     stored_ungated: bool = True
     stored_for_keys: bool = False
     adt_in_values: bool = True
-    keys_with_queries: bool = False
+    keys_with_queries: bool = True
     state_dot_with_keys: bool = True
     rotate_in_chunk_gradients: bool = False
     head_gradient_launches: int = 2

@@ -9,9 +9,11 @@ docs/performance.md). Implementations:
   "pallas": every array's rows in one launch per `max_leaves_per_call` arrays
     (`pallas_kernels.finite_rows`: per-piece partials Σ x·0, 0 or NaN), summed per row by one reduction.
 The automatic choice (`implementation=None`, no `dispatch.prefer` block; `automatic_implementation`) is
-"pallas" on a CUDA GPU without a mesh axis of size > 1 (where the kernel declines: the rows may be
-sharded), "xla" otherwise. Every implementation gives the same answer exactly (no rounding is involved).
-Not differentiable (the guard uses the flags only).
+"xla" everywhere: on an H100 (session 36, BENCHMARKS.md) the kernel left both 130M-class train steps
+unchanged (Mamba-3 76.4 vs 76.6 ms, Mamba-1 81.4 vs 81.3 ms with the XLA checks), so it is opt-in
+(`dispatch.prefer("finite_rows", "pallas")`); it declines under a mesh axis of size > 1 (the rows may be
+sharded). Every implementation gives the same answer exactly (no rounding is involved). Not
+differentiable (the guard uses the flags only).
 
 Implementation contract:
 
@@ -27,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jmamba.ops import dispatch
-from jmamba.ops.pallas_platform import GPU_PLATFORMS, interpret_mode, triton_platform_reason
+from jmamba.ops.pallas_platform import interpret_mode, triton_platform_reason
 from jmamba.ops.settings import current_tuning, register_tuning
 from pallas_kernels.finite_rows import FiniteRowsConfig
 
@@ -80,11 +82,8 @@ def finite_rows(leaves, batch_size, *, implementation=None, tuning=None):
 
 
 def automatic_implementation(leaves, platform=None) -> str:
-    """What `finite_rows(leaves, ...)` runs with no implementation named: "pallas" where the kernel runs
-    compiled and unsharded (a CUDA GPU, no mesh axis of size > 1), else "xla"."""
-    platform = platform or dispatch.default_platform()
-    if platform in GPU_PLATFORMS and _pallas_supported(platform=platform, leaves=leaves) is None:
-        return "pallas"
+    """What `finite_rows(leaves, ...)` runs with no implementation named: "xla" on every platform (module
+    docstring: the kernel was no faster in the train step)."""
     return "xla"
 
 
