@@ -58,7 +58,8 @@ class Mamba3ScanConfig:
         at B=32 T=512).
       num_warps_adjoint_walk: Triton warps of the backward's adjoint walk alone, or None for
         num_warps_walk (at 4 warps it needs 255 registers and spills 32 B on its serial chain, at 8
-        warps 180 and none, but then one program per SM: triton_inspect.py, Triton 3.6, sm_90).
+        warps 180 and none, but then one program per SM: triton_inspect.py, Triton 3.6, sm_90; H100,
+        session 36: 8 warps 153 → 170 µs per op call, so None).
       num_warps_local: Triton warps of the per-chunk state / adjoint contribution kernels ("split").
       num_warps_chunk: Triton warps of the forward chunk-output kernel.
       num_warps_grad: Triton warps of the backward chunk-gradient kernel(s).
@@ -79,7 +80,9 @@ class Mamba3ScanConfig:
         sums over each block's rows are a third of its head loop and 30 of its 43 barriers,
         triton_inspect.py, notes_mamba3_scan.md v15) and XLA forms them from dq, dk̃ and θ in two
         reductions over the batch rows and positions (qk_gradients.bias_gradients; ~300 MB read again
-        at the benchmark shape). The same sums in another order. Untimed; off by default.
+        at the benchmark shape). The same sums in another order. H100, session 36: the kernel
+        414 → 297 µs per op call, but XLA's sums (cos and sin of θ, four reductions) ~280: a net loss
+        of ~160 µs; off.
       qk_head_splits: the heads of a group are split over this many programs of the query/key kernels
         (the largest divisor of heads-per-group not above it is used): more programs in flight, and
         as many partial group sums of dQ, dK for XLA to add. 1 by default since session 31 (H100, train
@@ -129,7 +132,7 @@ class Mamba3ScanConfig:
         queries gradients in one launch (the values launch apart): A = dY·Vᵀ, the decay matrix and dY
         formed once for dK̃ and dQ, one launch fewer. H100, session 36 (per-head angles, µs per op call,
         B=8 T=2048 / B=32 T=512): keys 181 / 182 + queries 178 / 178 → one launch 311 / 312, and with
-        state_dot_with_keys the values launch 389 / 388 → 320 / 321.
+        state_dot_with_keys the values launch 389 / 388 → 320 / 321; train step 76.0 → 73.4 ms.
       state_dot_with_keys: with keys_with_queries and the values launch forming dADT (adt_in_values
         with its conditions), the keys+queries launch, which loads the chunk's entering state S_c and
         the adjoint dS of the state leaving it anyway, also writes the chunk's ρ_S = e^{cs_end}⟨S_c, dS⟩
