@@ -15,7 +15,7 @@ differentiated by JAX): for the padded operands in the kernel layout of config.p
             chunk_forward.chunk_outputs       -> out                                   (1 kernel)
   backward  state_passes.adjoint_state_pass   -> adjoints leaving every chunk, dS_0    (1 kernel; 2 split)
             chunk_backward.chunk_gradients    -> dV, dZ, dADT, dskip (the values launch) and, unless
-                                                 head_gradients runs, dq, dk̃ (1-3 launches, default 3)
+                                                 head_gradients runs, dq, dk̃ (1-3 launches; default 2: keys+queries, then values)
             qk_gradients.query_key_gradients  -> dQ, dK, bias, scale and angle gradients from dq, dk̃,
                                                  with skip_in_scores=False the skip term's ⟨q̄, k̄⟩
                                                  gradient included (1 kernel)
