@@ -2,7 +2,8 @@
 `finite_rows_leaves` (the non-finite guard's check of the carried recurrent state, whose per-array XLA
 row reductions were ~100 small launches per training step).
 
-`jmamba.ops.finite_rows`' Pallas implementation calls it. Module map: config (elements per program,
+`jmamba.ops.finite_rows`' Pallas implementation calls it (opt-in: it was no faster than the per-array
+checks in the train steps measured, BENCHMARKS.md session 36). Module map: config (elements per program,
 warps, arrays per launch), kernel (the body and the launch).
 
 Importing this package loads only the config; the entry point imports Pallas on first access.
