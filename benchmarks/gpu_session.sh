@@ -206,6 +206,7 @@ for s in $stages; do case $s in
   norm_tests)  run gpu_tests_norm 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_add_rms_norm.py -rA ;;
   norm_bench)  run rms_norm_bench 150 python3 benchmarks/bench_rms_norm.py ;;
   norm_ab)     train_steps mamba1 default default+xlanorm ; train_steps mamba3 default default+xlanorm ;;
+  fm_tests)    run gpu_tests_fast_math 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -k "fast_math or bit_identical" -rA ;;
   fr_tests)    run gpu_tests_finite_rows 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_finite_rows.py -rA ;;
   kq_tests)    run gpu_tests_keys_with_queries 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -k "keys_and_queries or bias_gradients_by_xla" -rA ;;
   norm2_tests) run gpu_tests_sum_of_squares 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sum_of_squares.py -rA ;;

@@ -268,6 +268,28 @@ def test_fast_rotation_matches_reference(shape, shared, config):
     check_against_reference(arrays, states, 16, 2e-5, config)
 
 
+@pytest.mark.parametrize("shape,config", [
+    ((2, 37, 4, 2, 8, 3, 2), Mamba3ScanConfig(fast_math=True)),                  # keys+queries, values, walks
+    ((2, 37, 4, 1, 64, 16, 16), dataclasses.replace(ROTATE_IN_CHUNKS, fast_math=True)),   # head launches
+    ((2, 37, 4, 2, 8, 3, 2), Mamba3ScanConfig(fast_math=True, state_passes="split", **NOT_STORED))],
+    ids=["default-launches", "rotation-in-chunk-gradients", "split-passes-nothing-stored"])
+def test_fast_math_matches_reference(shape, config):
+    """config.fast_math (σ(Z) as 1 / (1 + 2^(−Z·log2 e)) and the decays e^x as 2^(x·log2 e); ex2 / rcp
+    on the GPU) in every kernel that gates or decays: every value and cotangent, the four states'
+    included."""
+    arrays, states = make_inputs(shape, jnp.float32, seed=27)
+    check_against_reference(arrays, states, 16, 2e-5, config)
+
+
+@pytest.mark.parametrize("config,kernels_gating", [
+    (Mamba3ScanConfig(fast_math=True), 4),        # chunk outputs, adjoint walk, keys+queries, values
+    (Mamba3ScanConfig(), 0)], ids=["fast-gate", "default"])
+def test_fast_math_lowers_to_the_hardware_reciprocal(config, kernels_gating):
+    text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
+    gating = [l for l in text.splitlines() if "__gpu$xla.gpu.triton" in l and "rcp.approx.ftz.f32" in l]
+    assert len(gating) == kernels_gating
+
+
 @pytest.mark.parametrize("N,S,with_z,option,fused", [
     (64, 16, True, {}, True), (16, 0, True, {}, True),
     (64, 16, False, {}, False),                                       # no Z: dADT with the keys launch
@@ -692,6 +714,7 @@ def test_kernel_refuses_a_reset_mask_and_a_bad_config():
                                          ("num_warps_head_grad", 3), ("head_gradient_launches", 3),
                                          ("skip_in_scores", "no"), ("fast_rotation", 1),
                                          ("fast_rotation_backward", 0), ("fast_rotation_backward", "False"),
+                                         ("fast_math", 1),
                                          ("state_passes", "fused"), ("walk_block_p", 8), ("walk_block_p", 24),
                                          ("num_warps_walk", 64), ("num_warps_values", 3), ("num_warps_values", 64),
                                          ("num_warps_adjoint_walk", 6), ("num_warps_adjoint_walk", 64),
@@ -800,6 +823,14 @@ def test_gpu_fast_rotation_matches_reference(shared, config):
     if shared:
         arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
     check_against_reference(arrays, states, 64, 2.5e-2, config)
+
+
+@pytest.mark.gpu
+def test_gpu_fast_math_matches_reference():
+    """config.fast_math (hardware ex2 / rcp for σ(Z) and the decays) at the benchmark shape, shared angles."""
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=28)
+    check_against_reference(dict(arrays, Angles=arrays["Angles"][:, :, :1]), states, 64, 2.5e-2,
+                            Mamba3ScanConfig(fast_math=True))
 
 
 @pytest.mark.gpu

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from pallas_kernels.common.dtypes import F32
 from pallas_kernels.mamba3_siso import layout
 from pallas_kernels.mamba3_siso.chunk_forward import chunk_inputs
-from pallas_kernels.mamba3_siso.chunk_math import ChunkDecay, dot, reverse_cumsum, sigmoid, total
+from pallas_kernels.mamba3_siso.chunk_math import chunk_decay, dot, reverse_cumsum, gate_sigmoid, total
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 
 
@@ -81,7 +81,7 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, 
         dADT with the values instead when `adt_in_values`."""
         adt_values = values and adt_in_values           # this launch forms dADT from the stored products
         adt_keys = keys and not adt_in_values
-        decay = ChunkDecay(refs["adt"][...])
+        decay = chunk_decay(refs["adt"][...], geo)
         # the forward's products, when the launch was given them (config.stored_scores / stored_ungated /
         # stored_for_keys; the launches are then one group each)
         stored_scores, stored_y = "scores" in refs, "ungated" in refs
@@ -92,7 +92,7 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, 
         d_out = refs["d_out"][...].astype(F32)
         if geo.has_z:
             z = refs["z"][...].astype(F32)
-            sz = sigmoid(z)
+            sz = gate_sigmoid(z, geo)
             dy = d_out * (z * sz)                                       # dY = dO ⊙ silu(Z)
         else:
             dy = d_out

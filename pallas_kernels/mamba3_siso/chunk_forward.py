@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.common.dtypes import F32
 from pallas_kernels.mamba3_siso import layout
-from pallas_kernels.mamba3_siso.chunk_math import ChunkDecay, dot, sigmoid
+from pallas_kernels.mamba3_siso.chunk_math import ChunkDecay, chunk_decay, dot, gate_sigmoid
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 
 
@@ -76,7 +76,7 @@ def chunk_outputs(geo: ScanGeometry, ops: dict, entering, *, for_backward: bool 
     kept = stores(geo, for_backward)
 
     def body(refs):
-        decay = ChunkDecay(refs["adt"][...])
+        decay = chunk_decay(refs["adt"][...], geo)
         lam = decay.lower(refs["diag_weight"][...] if "diag_weight" in refs else None)
         y, scores = chunk_output(geo, decay, lam, refs["q"][...], refs["k"][...], refs["v"][...],
                                  refs["skip"][...], refs["state"][...])
@@ -86,7 +86,7 @@ def chunk_outputs(geo: ScanGeometry, ops: dict, entering, *, for_backward: bool 
             refs["ungated"][...] = y
         if geo.has_z:
             z = refs["z"][...].astype(F32)
-            y = y * (z * sigmoid(z))
+            y = y * (z * gate_sigmoid(z, geo))
         refs["out"][...] = y.astype(refs["out"].dtype)
 
     inputs = chunk_inputs(geo, grid, ops, ["q", "k", "v", "z", "adt", "skip", "diag_weight"])

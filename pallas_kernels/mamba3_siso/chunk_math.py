@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common.dtypes import F32, I32
-from pallas_kernels.common.inline_ptx import cos_sin_of_wrapped
+from pallas_kernels.common.inline_ptx import LOG2_E, cos_sin_of_wrapped, fast_sigmoid
 
 TWO_PI = 2.0 * math.pi
 
@@ -64,6 +64,25 @@ def sigmoid(x):
     return 1.0 / (1.0 + jnp.exp(-x))
 
 
+def gate_sigmoid(x, geo):
+    """σ(x) of the output gate Z inside a kernel: exact, or with config.fast_math the hardware's ex2 and
+    rcp (inline_ptx.fast_sigmoid: ~4e-6 relative; the same formula in the interpreter)."""
+    if geo.config.fast_math:
+        return fast_sigmoid(x, gpu=not geo.interpret)
+    return sigmoid(x)
+
+
+def chunk_decay(adt, geo):
+    """ChunkDecay of a chunk's ADT with the exponentials config.fast_math asks for."""
+    return ChunkDecay(adt, fast=geo.config.fast_math)
+
+
+def _exp2_of(x):
+    """e^x as 2^(x·log2 e): one `ex2.approx` on the GPU (2^-22 relative, plus the rounding of x·log2 e:
+    ~|x|·1e-7 relative, 4e-6 at x = −50; results below ~1e-38 flush to zero)."""
+    return jnp.exp2(x * LOG2_E)
+
+
 def reverse_cumsum(x, axis=0, *, by_matmul=False):
     """Σ_{i' >= i} x_{i'} along `axis` (inclusive); by_matmul (rows of a 2-D tile only): as
     (upper-triangular ones)·x, the sums without the total − cumsum + x cancellation."""
@@ -91,7 +110,8 @@ def total(x):
 
 
 class ChunkDecay:
-    """Within-chunk decays from ADT [L] (float32).
+    """Within-chunk decays from ADT [L] (float32); `fast`: the exponentials as 2^(x·log2 e) (one
+    ex2.approx each on the GPU, config.fast_math) instead of libdevice's expf.
 
     Attributes:
       cs: [L] inclusive cumulative sum of ADT inside the chunk.
@@ -101,12 +121,13 @@ class ChunkDecay:
       chunk: scalar e^{cs_end}: decay of the whole chunk.
     """
 
-    def __init__(self, adt):
+    def __init__(self, adt, *, fast: bool = False):
+        self._exp = _exp2_of if fast else jnp.exp
         self.cs = jnp.cumsum(adt)
         self.end = jnp.sum(adt)
-        self.read = jnp.exp(self.cs)
-        self.to_end = jnp.exp(self.end - self.cs)
-        self.chunk = jnp.exp(self.end)
+        self.read = self._exp(self.cs)
+        self.to_end = self._exp(self.end - self.cs)
+        self.chunk = self._exp(self.end)
 
     def strictly_lower(self):
         """[L, L] Λ_ij = e^{cs_i − cs_j} for i > j, else 0."""
@@ -115,7 +136,7 @@ class ChunkDecay:
         cols = jnp.arange(L, dtype=I32)[None, :]
         below = rows > cols
         diff = self.cs[:, None] - self.cs[None, :]
-        return jnp.where(below, jnp.exp(jnp.where(below, diff, 0.0)), 0.0)
+        return jnp.where(below, self._exp(jnp.where(below, diff, 0.0)), 0.0)
 
     def lower(self, diagonal=None):
         """Λ (strictly_lower), plus diag(`diagonal` [L]) when given (the skip term's weight γ/s on the

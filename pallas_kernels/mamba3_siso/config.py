@@ -169,6 +169,13 @@ class Mamba3ScanConfig:
         per-head angles): the forward query/key kernel 259 → 205 µs, but the query/key gradient
         kernel 417 → 530 µs, so the op is +60 µs and the train step +1.3 ms with it on in both
         kernels. On by default since 2026-12-06 for the forward only (fast_rotation_backward).
+      fast_math: the kernels' transcendental functions from the hardware's ex2 and rcp instead of
+        libdevice's expf and full divisions: the output gate's σ(Z) (the forward's chunk outputs, the
+        adjoint walk, the chunk-gradient launches; common/inline_ptx.fast_sigmoid, ~4e-6 relative) and
+        the within-chunk decays e^x as 2^(x·log2 e) (chunk_math.ChunkDecay: ~|x|·1e-7 relative), far
+        below the bf16 rounding of the operands. In the interpreter the same formulas in float32.
+        triton_inspect.py (Triton 3.6, sm_90, B=8 T=2048): notes_mamba3_scan.md v25. Untimed; off by
+        default.
       fast_rotation_backward: the same choice for the backward's rotations (the query/key gradient
         kernel, or the head gradient launches with rotate_in_chunk_gradients); None follows
         fast_rotation. The default, fast_rotation=True with fast_rotation_backward=False, takes the
@@ -234,6 +241,7 @@ class Mamba3ScanConfig:
     skip_in_scores: bool = True
     fast_rotation: bool = True
     fast_rotation_backward: bool | None = False
+    fast_math: bool = False
     fuse_qk_norm: bool = False
     fuse_projection: bool = True
     projection_row_splits: int = 2
@@ -285,7 +293,7 @@ class Mamba3ScanConfig:
         if self.stored_for_keys is True and not self.stored_scores:
             raise ValueError("Mamba3ScanConfig.stored_for_keys=True needs stored_scores=True")
         for name in ("adt_in_values", "keys_with_queries", "state_dot_with_keys", "bias_gradients_by_xla", "rotate_in_chunk_gradients", "skip_in_scores",
-                     "fast_rotation", "fuse_qk_norm", "fuse_projection"):
+                     "fast_rotation", "fast_math", "fuse_qk_norm", "fuse_projection"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.fast_rotation_backward is not None and type(self.fast_rotation_backward) is not bool:

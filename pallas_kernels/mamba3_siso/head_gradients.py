@@ -56,8 +56,8 @@ from pallas_kernels.common.dtypes import F32
 from pallas_kernels.mamba3_siso import layout
 from pallas_kernels.mamba3_siso.chunk_backward import forms_adt_with_values
 from pallas_kernels.mamba3_siso.chunk_forward import chunk_inputs
-from pallas_kernels.mamba3_siso.chunk_math import (ChunkDecay, angle_gradient, angle_rate_and_slope, dot,
-                                                   reverse_cumsum, rotate_back, rotation_of, sigmoid)
+from pallas_kernels.mamba3_siso.chunk_math import (chunk_decay, angle_gradient, angle_rate_and_slope, dot,
+                                                   reverse_cumsum, rotate_back, rotation_of, gate_sigmoid)
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 
 
@@ -97,12 +97,12 @@ def head_query_key_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adj
     def body(refs, *, queries: bool, keys: bool):
         """The chosen sides' gradients: queries (dx̄ and its share of the angle gradients), keys (dȳ,
         ds and theirs)."""
-        decay = ChunkDecay(refs["adt"][...])
+        decay = chunk_decay(refs["adt"][...], geo)
         v = refs["v"][...]
         d_out = refs["d_out"][...].astype(F32)
         if geo.has_z:
             z = refs["z"][...].astype(F32)
-            dy = d_out * (z * sigmoid(z))                                   # dY = dO ⊙ silu(Z)
+            dy = d_out * (z * gate_sigmoid(z, geo))                                   # dY = dO ⊙ silu(Z)
         else:
             dy = d_out
         lam = decay.lower(refs["diag_weight"][...] if "diag_weight" in refs else None)

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common.dtypes import F32
 from pallas_kernels.mamba3_siso import layout
-from pallas_kernels.mamba3_siso.chunk_math import ChunkDecay, dot, sigmoid
+from pallas_kernels.mamba3_siso.chunk_math import chunk_decay, dot, gate_sigmoid
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 
 
@@ -52,12 +52,12 @@ def chunk_contributions(geo: ScanGeometry, ops: dict, *, adjoint: bool):
     key = "q" if adjoint else "k"
 
     def body(refs):
-        decay = ChunkDecay(refs["adt"][...])
+        decay = chunk_decay(refs["adt"][...], geo)
         if adjoint:
             rows = refs["d_out"][...].astype(F32)                        # [L, Pp]
             if geo.has_z:
                 z = refs["z"][...].astype(F32)
-                rows = rows * z * sigmoid(z)
+                rows = rows * z * gate_sigmoid(z, geo)
             rows = rows * decay.read[:, None]
         else:
             rows = refs["v"][...].astype(F32) * decay.to_end[:, None]
@@ -163,12 +163,12 @@ def walk_chunks(geo: ScanGeometry, ops: dict, boundary, *, adjoint: bool):
         def step(k, carry):
             x, cur = carry
             ahead = operands(k + 1)
-            decay = ChunkDecay(cur["adt"])
+            decay = chunk_decay(cur["adt"], geo)
             if adjoint:
                 rows = cur["d_out"].astype(F32)
                 if "z" in cur:
                     z = cur["z"].astype(F32)
-                    rows = rows * z * sigmoid(z)
+                    rows = rows * z * gate_sigmoid(z, geo)
                 rows = rows * decay.read[:, None]
             else:
                 rows = cur["v"].astype(F32) * decay.to_end[:, None]
