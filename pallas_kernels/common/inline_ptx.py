@@ -7,7 +7,8 @@ branches). Where a kernel's inner loop is dominated by those, one hardware instr
 exists only in the Triton lowering: callers pass `gpu=False` in the Pallas interpreter (CPU tests)
 and get the plain jnp form there.
 
-Used by `selective_scan.kernel_math.KernelMath` and the Mamba-3 rotation (`mamba3_siso.chunk_math`).
+Used by `selective_scan.kernel_math.KernelMath` and the Mamba-3 kernels' rotation, gate and decays
+(`mamba3_siso.chunk_math`).
 """
 
 from __future__ import annotations
@@ -53,4 +54,3 @@ def fast_sigmoid(x, *, gpu: bool):
     if gpu:
         return f32_instruction("rcp.approx.ftz.f32 $0, $1;", denominator)
     return 1.0 / denominator
-
