@@ -24,6 +24,19 @@ def triton_platform_reason(platform: str, what: str):
     return None
 
 
+def whole_array_kernel_reason(platform: str, what: str, sharded: str):
+    """None when `what`, a kernel that reads whole arrays (no per-device split), can run here, else why
+    not: the platform (triton_platform_reason), or an active mesh with an axis of size > 1, under which
+    `sharded` (e.g. "the arrays") may be sharded."""
+    reason = triton_platform_reason(platform, what)
+    if reason:
+        return reason
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and any(size > 1 for size in mesh.shape.values()):
+        return f"the kernel reads whole arrays, and a mesh {dict(mesh.shape)} is active ({sharded} may be sharded)"
+    return None
+
+
 def interpret_mode() -> bool:
     """Run Pallas kernels in the interpreter (no GPU backend)."""
     return jax.default_backend() not in GPU_PLATFORMS

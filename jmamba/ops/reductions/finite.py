@@ -25,11 +25,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from jmamba.ops import dispatch
-from jmamba.ops.pallas_platform import interpret_mode, triton_platform_reason
+from jmamba.ops.pallas_platform import interpret_mode, whole_array_kernel_reason
 from jmamba.ops.settings import current_tuning, register_tuning
 from pallas_kernels.finite_rows import FiniteRowsConfig
 
@@ -97,14 +96,7 @@ def per_array_rows(leaves, batch_size, *, tuning=None):
 
 
 def _pallas_supported(*, platform, leaves, **_):
-    reason = triton_platform_reason(platform, "the Pallas finite-rows kernel")
-    if reason:
-        return reason
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and any(size > 1 for size in mesh.shape.values()):
-        return (f"the kernel reads whole arrays, and a mesh {dict(mesh.shape)} is active (the rows may "
-                f"be sharded)")
-    return None
+    return whole_array_kernel_reason(platform, "the Pallas finite-rows kernel", "the rows")
 
 
 def finite_rows_pallas(leaves, batch_size, *, tuning=None):
