@@ -41,7 +41,7 @@ def cos_sin_of_wrapped(theta, *, gpu: bool):
     return -jnp.cos(x), -jnp.sin(x)
 
 
-LOG2_E = 1.4426950408889634
+LOG2_E = 1.0 / math.log(2.0)
 
 
 def fast_sigmoid(x, *, gpu: bool):
@@ -49,7 +49,8 @@ def fast_sigmoid(x, *, gpu: bool):
     lowering) and `rcp.approx.ftz` (1 ulp): two MUFU instructions per element instead of libdevice's
     expf and a full division (~20 instructions with their special-case tests). Within ~4e-6 relative
     of the exact σ, far below the bf16 rounding of the operands (3.9e-3). x → −∞ gives 1/∞ = 0, x → +∞
-    gives 1. In the interpreter (gpu=False) the same formula with a plain division."""
+    gives 1. In the interpreter (gpu=False) the same formula with a plain division. The Mamba-1 kernels'
+    fast σ (selective_scan.kernel_math.KernelMath) is this function."""
     denominator = 1.0 + jnp.exp2(x * -LOG2_E)
     if gpu:
         return f32_instruction("rcp.approx.ftz.f32 $0, $1;", denominator)

@@ -10,13 +10,12 @@ import math
 
 import jax.numpy as jnp
 
-from pallas_kernels.common.inline_ptx import f32_instruction
+from pallas_kernels.common.inline_ptx import LOG2_E, f32_instruction, fast_sigmoid
 
 SOFTPLUS_THRESHOLD = 20.0
 # The kernels receive A·log2(e) ("A2") and form ā = exp2(δ·A2): on CUDA exp2 is one `ex2.approx`
 # instruction (max relative error ~2^-22), exp a longer libdevice routine (the official kernel does
 # the same with exp2f).
-LOG2_E = 1.0 / math.log(2.0)
 LN_2 = math.log(2.0)
 
 
@@ -103,7 +102,7 @@ class KernelMath:
     def sigmoid(self, x):
         if not self.fast:
             return sigmoid(x)
-        return self.reciprocal(1.0 + jnp.exp2(x * -LOG2_E))
+        return fast_sigmoid(x, gpu=self.gpu)
 
     def softplus(self, x):
         """`x if x > 20 else log1p(exp(x))` (the thresholded softplus), float32."""
