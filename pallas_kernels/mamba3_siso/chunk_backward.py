@@ -67,11 +67,15 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, 
 
     Returns:
       dict with dq, dk [Bt, Tp, H, Np] (gradients of the kernel's Q and K̃; float32, or the dot operand
-      dtype with config.qk_gradient_dtype "dot_operand"), dv [Bt, Tp, H, Pp]
+      dtype with config.qk_gradient_dtype "dot_operand"; [Bt, H, Np, Tp] with config.qk_gradients_transposed),
+      dv [Bt, Tp, H, Pp]
       (V dtype), dz (Z dtype, when Z), d_adt, d_skip [Bt, Tp, H] float32.
     """
     grid = layout.ChunkGrid(geo)
     mm = geo.matmul_dtype
+    # dq, dk̃ stored [width, L] into [Bt, H, Np, Tp] for qk_gradients_transposed.py (the transpose rides on
+    # the conversion from the dot's register layout that any store of a dot result makes)
+    position_major = (lambda x: x.T) if geo.config.qk_gradients_transposed else (lambda x: x)
 
     adt_in_values = forms_adt_with_values(geo, ops)
     rho_from_keys = state_dot_with_keys(geo, ops) and not values_only
@@ -143,15 +147,16 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, 
                 r = jnp.sum(m, axis=1) - jnp.sum(m, axis=0)
         if keys:
             v_ds = dot(v, d_state, mm)                                  # V·dS  [L, Np]
-            refs["dk"][...] = (dot(attn * lam, q, mm, trans_a=True)
-                               + decay.to_end[:, None] * v_ds).astype(refs["dk"].dtype)
+            refs["dk"][...] = position_major((dot(attn * lam, q, mm, trans_a=True)
+                                              + decay.to_end[:, None] * v_ds).astype(refs["dk"].dtype))
         if adt_keys:
             to_end = decay.to_end * jnp.sum(v_ds * k.astype(F32), axis=1)
             state_dot = total(refs["state"][...].astype(F32) * d_state.astype(F32))
 
         if queries:
             dy_state = dot(dy, refs["state"][...], mm)                  # dY·S_c  [L, Np]
-            refs["dq"][...] = (dot(attn * lam, k, mm) + decay.read[:, None] * dy_state).astype(refs["dq"].dtype)
+            refs["dq"][...] = position_major((dot(attn * lam, k, mm)
+                                              + decay.read[:, None] * dy_state).astype(refs["dq"].dtype))
         if keys and queries and "rho_state" in refs:                    # for the values launch's dADT
             state_dot = total(refs["state"][...].astype(F32) * d_state.astype(F32))
             refs["rho_state"][...] = jnp.full((1,), decay.chunk * state_dot, F32)
@@ -168,11 +173,14 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, 
     bsz, Tp, H, Pp, Np = geo.batch, geo.padded_seqlen, geo.heads, geo.padded_headdim, geo.padded_state
     io = jnp.dtype(geo.io_dtype)
     seq = jax.ShapeDtypeStruct((bsz, Tp, H), F32)
-    per_head = jax.ShapeDtypeStruct((bsz, Tp, H, Np), geo.qk_gradient_dtype)
+    if geo.config.qk_gradients_transposed:       # position-major for qk_gradients_transposed.py
+        per_head, qk_spec = jax.ShapeDtypeStruct((bsz, H, Np, Tp), geo.qk_gradient_dtype), grid.head_cols(Np)
+    else:
+        per_head, qk_spec = jax.ShapeDtypeStruct((bsz, Tp, H, Np), geo.qk_gradient_dtype), grid.head_rows(Np)
     outputs = {"values": [("dv", jax.ShapeDtypeStruct((bsz, Tp, H, Pp), io), grid.head_rows(Pp)),
                           ("d_skip", seq, grid.sequence())],
-               "keys": [("dk", per_head, grid.head_rows(Np)), ("d_adt", seq, grid.sequence())],
-               "queries": [("dq", per_head, grid.head_rows(Np))]}
+               "keys": [("dk", per_head, qk_spec), ("d_adt", seq, grid.sequence())],
+               "queries": [("dq", per_head, qk_spec)]}
     if geo.has_z:
         outputs["values"].append(("dz", jax.ShapeDtypeStruct((bsz, Tp, H, Pp), jnp.dtype(ops["z"].dtype)),
                                   grid.head_rows(Pp)))

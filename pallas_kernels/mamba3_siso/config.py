@@ -76,6 +76,11 @@ class Mamba3ScanConfig:
         registers per program and more programs in flight. The in-chunk reverse sums of the angle
         gradients are then formed per block, and the blocks after it in the chunk are added by XLA
         (the same sums in another order of the float32 additions).
+      qk_gradients_transposed: the query/key gradient kernel on [width, rows] tiles
+        (qk_gradients_transposed.py): the chunk-gradient launch writes dq, dk̃ position-major, the kernel
+        recomputes θ (the forward then stores none), and the sums over a block's rows (bias partials,
+        dθ_entry) and the prefix sums of the angles stay inside a warp instead of crossing the 8 warps
+        through shared memory. The same sums in another order. Needs bias_gradients_by_xla=False.
       bias_gradients_by_xla: the query/key gradient kernel leaves the bias gradients out (their column
         sums over each block's rows are a third of its head loop and 30 of its 43 barriers,
         triton_inspect.py, notes_mamba3_scan.md v15) and XLA forms them from dq, dk̃ and θ in two
@@ -221,6 +226,7 @@ class Mamba3ScanConfig:
     num_warps_qk_grad: int = 8
     qk_grad_blocks: int = 1
     bias_gradients_by_xla: bool = False
+    qk_gradients_transposed: bool = False
     qk_head_splits: int = 1
     num_stages: int = 1
     min_width: int = 16
@@ -271,6 +277,9 @@ class Mamba3ScanConfig:
             raise ValueError(f"Mamba3ScanConfig.min_chunk ({self.min_chunk}) must be <= max_chunk ({self.max_chunk})")
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"Mamba3ScanConfig.num_stages must be a positive int, got {self.num_stages!r}")
+        if self.qk_gradients_transposed and self.bias_gradients_by_xla:
+            raise ValueError("Mamba3ScanConfig.qk_gradients_transposed needs the bias gradients in the kernel: "
+                             "bias_gradients_by_xla must be False with it")
         if isinstance(self.qk_head_splits, bool) or not isinstance(self.qk_head_splits, int) or self.qk_head_splits < 1:
             raise ValueError(f"Mamba3ScanConfig.qk_head_splits must be a positive int, got {self.qk_head_splits!r}")
         if type(self.head_gradient_launches) is not int or self.head_gradient_launches not in (1, 2):
@@ -292,7 +301,7 @@ class Mamba3ScanConfig:
                              f"got {self.qk_gradient_dtype!r}")
         if self.stored_for_keys is True and not self.stored_scores:
             raise ValueError("Mamba3ScanConfig.stored_for_keys=True needs stored_scores=True")
-        for name in ("adt_in_values", "keys_with_queries", "state_dot_with_keys", "bias_gradients_by_xla", "rotate_in_chunk_gradients", "skip_in_scores",
+        for name in ("adt_in_values", "keys_with_queries", "state_dot_with_keys", "bias_gradients_by_xla", "qk_gradients_transposed", "rotate_in_chunk_gradients", "skip_in_scores",
                      "fast_rotation", "fast_math", "fuse_qk_norm", "fuse_projection"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")

@@ -47,6 +47,7 @@ from pallas_kernels.mamba3_siso import chunk_backward, chunk_forward, state_pass
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 from pallas_kernels.mamba3_siso.head_gradients import fuses_rotation, head_query_key_gradients
 from pallas_kernels.mamba3_siso.qk_gradients import query_key_gradients
+from pallas_kernels.mamba3_siso.qk_gradients_transposed import recomputes_theta
 from pallas_kernels.mamba3_siso.queries_keys import head_queries_keys_kernel
 
 
@@ -101,7 +102,10 @@ def skip_operands(geo, D, gamma, scale, diagonal):
 
 
 def _forward(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D, *, for_backward=False):
-    q, k, theta, diagonal = head_queries_keys_kernel(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry)
+    # θ at every position is kept for the backward unless its query/key gradient kernel forms it itself
+    keep_theta = for_backward and not (recomputes_theta(geo) and not geo.config.rotate_in_chunk_gradients)
+    q, k, theta, diagonal = head_queries_keys_kernel(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry,
+                                                     keep_theta=keep_theta)
     skip, weight = skip_operands(geo, D, gamma, scale, diagonal)
     ops = kernel_operands(q, k, v, z, adt, skip, s0=s0, diag_weight=weight)
     entering, final = state_passes.forward_state_pass(geo, ops)
@@ -112,12 +116,13 @@ def _forward(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, ad
 def _core_fwd(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D):
     out, final, (q, k, theta, diagonal, entering, stored) = _forward(
         geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D, for_backward=True)
-    return (out, final), (Q, K, Q_bias, K_bias, scale, angles, dt, theta, q, k, v, z, adt, gamma, D, diagonal,
-                          entering, stored)
+    return (out, final), (Q, K, Q_bias, K_bias, scale, angles, dt, theta, theta_entry if theta is None else None,
+                          q, k, v, z, adt, gamma, D, diagonal, entering, stored)
 
 
 def _core_bwd(geo, residuals, cotangents):
-    Q, K, Q_bias, K_bias, scale, angles, dt, theta, q, k, v, z, adt, gamma, D, diagonal, entering, stored = residuals
+    (Q, K, Q_bias, K_bias, scale, angles, dt, theta, theta_entry, q, k, v, z, adt, gamma, D, diagonal, entering,
+     stored) = residuals
     d_out, d_final = cotangents
     skip, weight = skip_operands(geo, D, gamma, scale, diagonal)
     ops = dict(kernel_operands(q, k, v, z, adt, skip, d_out=d_out.astype(v.dtype), diag_weight=weight), **stored)
@@ -130,7 +135,7 @@ def _core_bwd(geo, residuals, cotangents):
         g = chunk_backward.chunk_gradients(geo, ops, entering, leaving)
         dQ, dK, dQ_bias, dK_bias, d_scale, d_angles, d_dt, d_entry = query_key_gradients(
             geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta, g["dq"], g["dk"],
-            d_diagonal=None if weight is not None else g["d_skip"] * gamma)
+            d_diagonal=None if weight is not None else g["d_skip"] * gamma, theta_entry=theta_entry)
     d_skip = g["d_skip"]      # ⟨dY_i, v_i⟩: the gradient of skip, and of γ⟨q̄, k̄⟩ per unit of it
     if weight is not None:
         # the term is w·⟨q_i, k̃_i⟩ with w = γ/s: dw = d skip·s⟨q̄, k̄⟩, so dγ = dw/s = d skip·⟨q̄, k̄⟩ (as

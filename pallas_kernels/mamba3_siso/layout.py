@@ -68,6 +68,12 @@ class ChunkGrid:
         return pl.BlockSpec((None, self.geo.chunk, None, width),
                             lambda p: (self.row(p), self.chunk(p), self.head(p), 0))
 
+    def head_cols(self, width):
+        """[Bt, H, width, Tp] (position-major per-head arrays: dq, dk̃ for qk_gradients_transposed): the
+        program's [width, L] block."""
+        return pl.BlockSpec((None, None, width, self.geo.chunk),
+                            lambda p: (self.row(p), self.head(p), 0, self.chunk(p)))
+
     def sequence(self):
         return pl.BlockSpec((None, self.geo.chunk, None), lambda p: (self.row(p), self.chunk(p), self.head(p)))
 

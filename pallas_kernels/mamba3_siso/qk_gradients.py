@@ -48,10 +48,12 @@ from pallas_kernels.mamba3_siso import layout
 from pallas_kernels.mamba3_siso.chunk_math import (angle_gradient, angle_rate_and_slope, reverse_cumsum, rotate_back,
                                                   rotation_of)
 from pallas_kernels.mamba3_siso.config import ScanGeometry
+from pallas_kernels.mamba3_siso.qk_gradients_transposed import query_key_gradients_transposed
 from pallas_kernels.mamba3_siso.queries_keys import angles_operand
 
 
-def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, dt, theta, dq, dk, d_diagonal=None):
+def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, dt, theta, dq, dk, d_diagonal=None,
+                        theta_entry=None):
     """Args (kernel layout, config.py):
       Q, K: [Bt, Tp, G, Np] activation dtype; Q_bias, K_bias: [H, Np] float32; scale: [Bt, Tp, H] float32;
       angles: [Bt, Tp, 1 or H, Sp], dt: [Bt, Tp, H] and theta: [Bt, Tp, H, Sp] float32 (the op's raw
@@ -60,6 +62,8 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
       dq, dk: [Bt, Tp, H, Np] gradients of q, k̃ (float32, or the dot operand dtype: read as float32).
       d_diagonal: [Bt, Tp, H] float32 gradient of ⟨q̄_h, k̄_h⟩ (queries_keys.head_diagonal), or None (no
         such term): adds d_diagonal·k̄_h to dx̄_h and d_diagonal·q̄_h to dȳ_h, hence to dQ, dK and the biases.
+      With config.qk_gradients_transposed (qk_gradients_transposed.py): dq, dk are [Bt, H, Np, Tp]
+        (position-major), and θ may be None with theta_entry [Bt, nc, H, Sp] (θ recomputed there).
 
     Returns:
       (dQ, dK [Bt, Tp, G, Np] float32, dQ_bias, dK_bias [H, Np] float32, d_scale [Bt, Tp, H] float32,
@@ -68,7 +72,7 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
     """
     grid = layout.GroupGrid(geo, rows=geo.qk_grad_rows)
     pieces = geo.pieces
-    rotated = theta is not None
+    rotated = angles is not None
     shared_angles = rotated and angles.shape[2] == 1
     with_diagonal = d_diagonal is not None
     biases_in_kernel = not geo.config.bias_gradients_by_xla
@@ -140,33 +144,41 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
 
     bsz, Tp, G, Np = Q.shape
     H, Sp = geo.heads, geo.angle_width
-    slices = (G, grid.splits, grid.heads_per_slice)
-    inputs = [("Q", Q, grid.group_rows()), ("K", K, grid.group_rows()),
-              ("Q_bias", Q_bias.reshape(slices + (Np,)), grid.biases()),
-              ("K_bias", K_bias.reshape(slices + (Np,)), grid.biases()),
-              ("scale", grid.per_head(scale), grid.head_scalars()),
-              ("dq", grid.per_head(dq), grid.head_rows(Np)), ("dk", grid.per_head(dk), grid.head_rows(Np)),
-              ("theta", None if theta is None else grid.per_head(theta), grid.head_rows(Sp)),
-              ("d_diagonal", None if d_diagonal is None else grid.per_head(d_diagonal.astype(F32)),
-               grid.head_scalars())]
-    if rotated:
-        inputs += [angles_operand(grid, angles), ("dt", grid.per_head(dt), grid.head_scalars())]
     nc, nb = geo.n_chunks, grid.blocks // geo.n_chunks
-    partials = jax.ShapeDtypeStruct((bsz, grid.blocks) + slices + (Np,), F32)
-    slice_sums = jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Np), F32)
-    outputs = [("dQ", slice_sums, grid.slice_rows()), ("dK", slice_sums, grid.slice_rows()),
-               ("d_scale", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars())]
-    if biases_in_kernel:
-        outputs += [("dqb", partials, grid.per_chunk(Np)), ("dkb", partials, grid.per_chunk(Np))]
-    if rotated:
-        d_angles = ((jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Sp), F32), grid.slice_rows(Sp)) if shared_angles
-                    else (jax.ShapeDtypeStruct((bsz, Tp) + slices + (Sp,), F32), grid.head_rows(Sp)))
-        outputs += [("d_angles",) + d_angles,
-                    ("d_dt", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars()),
-                    ("d_theta_entry", jax.ShapeDtypeStruct((bsz, grid.blocks) + slices + (Sp,), F32),
-                     grid.per_chunk(Sp))]
-    out = layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients",
-                        geo.config.num_warps_qk_grad)
+
+    def launch_row_major():
+        slices = (G, grid.splits, grid.heads_per_slice)
+        inputs = [("Q", Q, grid.group_rows()), ("K", K, grid.group_rows()),
+                  ("Q_bias", Q_bias.reshape(slices + (Np,)), grid.biases()),
+                  ("K_bias", K_bias.reshape(slices + (Np,)), grid.biases()),
+                  ("scale", grid.per_head(scale), grid.head_scalars()),
+                  ("dq", grid.per_head(dq), grid.head_rows(Np)), ("dk", grid.per_head(dk), grid.head_rows(Np)),
+                  ("theta", None if theta is None else grid.per_head(theta), grid.head_rows(Sp)),
+                  ("d_diagonal", None if d_diagonal is None else grid.per_head(d_diagonal.astype(F32)),
+                   grid.head_scalars())]
+        if rotated:
+            inputs += [angles_operand(grid, angles), ("dt", grid.per_head(dt), grid.head_scalars())]
+        partials = jax.ShapeDtypeStruct((bsz, grid.blocks) + slices + (Np,), F32)
+        slice_sums = jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Np), F32)
+        outputs = [("dQ", slice_sums, grid.slice_rows()), ("dK", slice_sums, grid.slice_rows()),
+                   ("d_scale", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars())]
+        if biases_in_kernel:
+            outputs += [("dqb", partials, grid.per_chunk(Np)), ("dkb", partials, grid.per_chunk(Np))]
+        if rotated:
+            d_angles = ((jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Sp), F32), grid.slice_rows(Sp)) if shared_angles
+                        else (jax.ShapeDtypeStruct((bsz, Tp) + slices + (Sp,), F32), grid.head_rows(Sp)))
+            outputs += [("d_angles",) + d_angles,
+                        ("d_dt", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars()),
+                        ("d_theta_entry", jax.ShapeDtypeStruct((bsz, grid.blocks) + slices + (Sp,), F32),
+                         grid.per_chunk(Sp))]
+        return layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients",
+                             geo.config.num_warps_qk_grad)
+
+    if geo.config.qk_gradients_transposed:
+        out = query_key_gradients_transposed(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta, dq, dk, d_diagonal,
+                                             theta_entry)
+    else:
+        out = launch_row_major()
     d_angles = d_dt = d_entry = None
     if rotated:
         d_angles = (out["d_angles"].sum(axis=(2, 3))[:, :, None] if shared_angles

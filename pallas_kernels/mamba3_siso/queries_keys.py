@@ -114,7 +114,8 @@ def head_diagonal(geo: ScanGeometry, Q, K, Q_bias, K_bias):
     return jnp.sum(q * k, axis=-1)
 
 
-def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry):
+def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, *,
+                             keep_theta: bool = True):
     """Pallas version of `head_queries_keys` at θ = `position_angles(π·tanh(angles)·dt, theta_entry)`, rounded to
     the dot operand dtype, and of `head_diagonal`: (q, k̃ [Bt, Tp, H, Np], θ [Bt, Tp, H, Sp] float32 or
     None, ⟨q̄, k̄⟩ [Bt, Tp, H] float32 — the skip term's inner product, from the biased rows the kernel
@@ -125,7 +126,9 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, ang
     XLA and the kernel) and theta_entry: [Bt, nc, H, Sp] angles entering
     each chunk (float32, zero-padded from S to Sp), or all None (no angles); the other arguments as
     for `head_queries_keys`. θ, the wrapped angle at every position, is written for the backward
-    (qk_gradients.py), which then needs no in-chunk prefix sum of its own.
+    (qk_gradients.py), which then needs no in-chunk prefix sum of its own; with keep_theta=False it is
+    not written (None is returned: the forward alone, or a backward that forms θ itself,
+    qk_gradients_transposed.py).
     """
     grid = layout.GroupGrid(geo)
     pieces = geo.pieces
@@ -133,6 +136,7 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, ang
 
     rotated = angles is not None
     shared_angles = rotated and angles.shape[2] == 1
+    keep_theta = keep_theta and rotated
 
     def body(refs):
         rows = {p: {n: refs[p][:, pl.ds(start, width)].astype(F32) for n, start, width in pieces} for p in "QK"}
@@ -144,7 +148,8 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, ang
                 rate_j = shared if shared_angles else angle_rate(refs["angles"][:, j, :])
                 angle = chunk_angles(rate_j * refs["dt"][:, j][:, None], refs["theta_entry"][j, :],
                                      by_matmul=geo.angle_sums_by_matmul)
-                refs["theta"][:, j, :] = angle
+                if keep_theta:
+                    refs["theta"][:, j, :] = angle
                 rotation = rotation_of(angle, geo)
             s = refs["scale"][:, j]
             biased = {p: {n: rows[p][n] + refs[f"{p}_bias"][j, pl.ds(start, width)][None, :]
@@ -174,11 +179,11 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, ang
     per_head = jax.ShapeDtypeStruct((bsz, Tp) + slices, mm)
     outputs = [("q", per_head, grid.head_rows(Np)), ("k", per_head, grid.head_rows(Np)),
                ("diagonal", jax.ShapeDtypeStruct((bsz, Tp) + slices[:-1], F32), grid.head_scalars())]
-    if rotated:
+    if keep_theta:
         outputs.append(("theta", jax.ShapeDtypeStruct((bsz, Tp) + slices[:-1] + (geo.angle_width,), F32),
                         grid.head_rows(geo.angle_width)))
     out = layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_fwd_queries_keys", geo.config.num_warps_qk)
     H = geo.heads
-    theta = None if not rotated else out["theta"].reshape(bsz, Tp, H, geo.angle_width)
+    theta = out["theta"].reshape(bsz, Tp, H, geo.angle_width) if keep_theta else None
     return (out["q"].reshape(bsz, Tp, H, Np), out["k"].reshape(bsz, Tp, H, Np), theta,
             out["diagonal"].reshape(bsz, Tp, H))

@@ -1,0 +1,212 @@
+"""The query/key gradient kernel on position-major tiles (Mamba3ScanConfig.qk_gradients_transposed).
+
+Same math and outputs as qk_gradients.py (read its docstring first); only the orientation of the
+per-head tiles differs. There, a head's dq, dk̃ and θ are [rows, width] tiles: Triton lays a
+[64, 32] float32 tile out with the 8 warps over the rows (each warp holds whole rows), so every sum
+over the rows (the six bias column sums per head, the chunk total of dθ) and the in-chunk reverse
+prefix sum of dθ cross the warps through shared memory: 43 barriers per head
+(benchmarks/triton_inspect.py, Triton 3.6, sm_90). Here every per-head tile is [width, rows], so a
+warp holds whole columns: those sums and the prefix sums stay inside a warp (shuffles), and only the
+sums over the columns (d s and d DT per position) cross the warps (27 barriers per head).
+
+Where the tiles come from:
+  dq, dk̃   position-major [Bt, H, Np, Tp] arrays, written so by the chunk-gradient launch that makes
+           them (chunk_backward.py stores the transposed tile): a [width, rows] tile is a plain load;
+  θ        recomputed from the chunk's entering angle and the increments, θ = wrap(θ_entry +
+           Σ_{r <= t} inc_r), a prefix sum along the rows that also stays inside a warp; the forward
+           then writes no θ ([Bt, Tp, H, Sp] float32: 50 MB per layer at the benchmark shape). Only
+           when the block is a whole chunk (qk_grad_blocks = 1); otherwise the stored θ is loaded and
+           transposed in the kernel;
+  Q, K     and the raw angles: XLA transposes them to position-major before the launch (the group
+           rows are small; the angles are [Bt, Tp, Sp] when shared by the heads, the model's case).
+           Transposing them in the kernel instead made Triton keep the biased rows in the transposed
+           register layout and convert the products with them inside the head loop.
+  outputs  dQ, dK are transposed in the kernel once per program (after the head loop); the per-head
+           angle gradient (angles per head) is transposed in the kernel per head before its store.
+Outputs: exactly qk_gradients.py's kernel outputs, which that module finishes.
+Numerics: float32 throughout; the sums over the rows run in another order than in qk_gradients.py,
+and the recomputed θ may differ from the forward's in the last bit (its prefix sum runs along the
+other axis).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common.dtypes import F32
+from pallas_kernels.mamba3_siso import layout
+from pallas_kernels.mamba3_siso.chunk_math import (angle_gradient, angle_rate_and_slope, dot, rotate_back, rotation_of,
+                                                  triangle, wrap_angle)
+from pallas_kernels.mamba3_siso.config import ScanGeometry
+
+
+def _prefix_over_columns(x, *, by_matmul, reverse=False):
+    """Σ_{i' <= i} x[:, i'] (Σ_{i' >= i} with `reverse`) of a [width, rows] tile: the prefix sums over
+    positions (a scan along the rows of each column, inside a warp), or as a dot with a triangular 0/1
+    matrix (chunk_math.prefix_sum's by_matmul)."""
+    if by_matmul:
+        return dot(x, triangle(x.shape[1], upper=not reverse), F32)
+    if reverse:
+        return jnp.sum(x, axis=1, keepdims=True) - jnp.cumsum(x, axis=1) + x
+    return jnp.cumsum(x, axis=1)
+
+
+def _head_cols(grid: layout.GroupGrid, width):
+    """per-head position-major [Bt, G, splits, heads per slice, width, Tp] (dq, dk̃ viewed so): the slice's
+    [heads per slice, width, rows] block."""
+    def index(p):
+        b, c, g, sl = grid.index(p)
+        return b, g, sl, 0, 0, c
+    return pl.BlockSpec((None, None, None, grid.heads_per_slice, width, grid.block_rows), index)
+
+
+def _group_cols(grid: layout.GroupGrid):
+    """[Bt, G, Np, Tp] (Q, K position-major): the block's [Np, rows]."""
+    def index(p):
+        b, c, g, _ = grid.index(p)
+        return b, g, 0, c
+    return pl.BlockSpec((None, None, grid.geo.padded_state, grid.block_rows), index)
+
+
+def _shared_cols(grid: layout.GroupGrid, width):
+    """[Bt, width, Tp] (angles shared by the heads, position-major): the block's [width, rows]."""
+    return pl.BlockSpec((None, width, grid.block_rows), lambda p: (grid.index(p)[0], 0, grid.index(p)[1]))
+
+
+def recomputes_theta(geo: ScanGeometry) -> bool:
+    """Whether the transposed kernel forms θ itself (each program's block is a whole chunk), so the
+    forward need not store it."""
+    return geo.config.qk_gradients_transposed and geo.qk_grad_rows == geo.chunk
+
+
+def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, dt, theta, dq, dk,
+                                   d_diagonal=None, theta_entry=None):
+    """The kernel of qk_gradients.query_key_gradients on position-major tiles.
+
+    Args: as qk_gradients.query_key_gradients, except dq, dk [Bt, H, Np, Tp] position-major (the chunk
+      launch's `position_major` output), and θ: the stored [Bt, Tp, H, Sp] angles, or None with
+      theta_entry [Bt, nc, H, Sp] (the chunk-entry angles) when `recomputes_theta(geo)`.
+
+    Returns the kernel's outputs by name in qk_gradients.py's layouts (dQ, dK [Bt, Tp, G, splits, Np],
+    d_scale, the bias and dθ_entry partials, d angles, d DT), which that module sums and finishes.
+    """
+    grid = layout.GroupGrid(geo, rows=geo.qk_grad_rows)
+    pieces = geo.pieces
+    rotated = angles is not None
+    shared_angles = rotated and angles.shape[2] == 1
+    recompute = rotated and theta is None
+    if recompute and not recomputes_theta(geo):
+        raise ValueError("query_key_gradients_transposed: θ can be recomputed only when a block is a whole chunk")
+    with_diagonal = d_diagonal is not None
+    by_matmul = geo.angle_sums_by_matmul
+    if geo.config.bias_gradients_by_xla:
+        raise ValueError("Mamba3ScanConfig.qk_gradients_transposed needs the bias gradients in the kernel "
+                         "(bias_gradients_by_xla=False)")
+
+    def body(refs):
+        def group_cols(ref):    # the block's group rows as [width, rows] pieces
+            return {n: ref[pl.ds(start, width), :].astype(F32) for n, start, width in pieces}
+
+        def biased(cols, bias_ref, head):
+            return {n: cols[n] + bias_ref[head, pl.ds(start, width)][:, None] for n, start, width in pieces}
+
+        q_cols, k_cols = group_cols(refs["Q"]), group_cols(refs["K"])
+        shared = angle_rate_and_slope(refs["angles"][...]) if shared_angles else None          # 2 × [Sp, rows]
+
+        def head_step(j, sums):
+            dq_sum, dk_sum, d_rate_sum = sums
+            rotation = None
+            if rotated:
+                dt_j = refs["dt"][:, j][None, :]                                                  # [1, rows]
+                rate_j, slope_j = shared if shared_angles else angle_rate_and_slope(refs["angles"][j, :, :])
+                if recompute:
+                    inc = rate_j * dt_j
+                    theta_j = wrap_angle(refs["theta_entry"][j, :][:, None]
+                                         + _prefix_over_columns(inc, by_matmul=by_matmul))
+                else:
+                    theta_j = refs["theta"][:, j, :].T
+                rotation = rotation_of(theta_j, geo, backward=True)                             # [Sp, rows]
+            s = refs["scale"][:, j][None, :]
+            dq_h = {n: refs["dq"][j, pl.ds(start, width), :].astype(F32) for n, start, width in pieces}
+            dk_h = {n: refs["dk"][j, pl.ds(start, width), :].astype(F32) for n, start, width in pieces}
+            x, y = biased(q_cols, refs["Q_bias"], j), biased(k_cols, refs["K_bias"], j)
+            gq, gk = rotate_back(dq_h, rotation), rotate_back(dk_h, rotation)
+            # d s = Σ over the columns of ȳ·R(θ)ᵀdk̃: the pieces of one width are added elementwise first,
+            # so that only one sum per width crosses the warps
+            by_width = {}
+            for n, _, width in pieces:
+                term = y[n] * gk[n]
+                by_width[width] = term if width not in by_width else by_width[width] + term
+            d_scale = None
+            for term in by_width.values():
+                term = jnp.sum(term, axis=0)
+                d_scale = term if d_scale is None else d_scale + term
+            refs["d_scale"][:, j] = d_scale
+            dq_sum, dk_sum = dict(dq_sum), dict(dk_sum)
+            c = refs["d_diagonal"][:, j][None, :] if with_diagonal else None
+            for n, start, width in pieces:
+                dk_bar = s * gk[n]
+                if with_diagonal:
+                    gq[n] = gq[n] + c * y[n]
+                    dk_bar = dk_bar + c * x[n]
+                refs["dqb"][j, pl.ds(start, width)] = jnp.sum(gq[n], axis=1)
+                refs["dkb"][j, pl.ds(start, width)] = jnp.sum(dk_bar, axis=1)
+                dq_sum[n] = dq_sum[n] + gq[n]
+                dk_sum[n] = dk_sum[n] + dk_bar
+            if rotated:
+                d_angle = angle_gradient(dq_h, x, rotation) + s * angle_gradient(dk_h, y, rotation)  # [Sp, rows]
+                d_inc = _prefix_over_columns(d_angle, by_matmul=by_matmul, reverse=True)
+                refs["d_dt"][:, j] = jnp.sum(d_inc * rate_j, axis=0)
+                if shared_angles:
+                    d_rate_sum = d_rate_sum + d_inc * dt_j
+                else:
+                    refs["d_angles"][:, j, :] = (d_inc * dt_j * slope_j).T
+                refs["d_theta_entry"][j, :] = jnp.sum(d_angle, axis=1)
+            return dq_sum, dk_sum, d_rate_sum
+
+        zeros = {n: jnp.zeros((w, grid.block_rows), F32) for n, _, w in pieces}
+        rate_zeros = jnp.zeros((geo.angle_width, grid.block_rows), F32) if shared_angles else None
+        dq_sum, dk_sum, d_rate_sum = jax.lax.fori_loop(0, grid.heads_per_slice, head_step,
+                                                       (zeros, dict(zeros), rate_zeros))
+        if shared_angles:
+            refs["d_angles"][...] = (d_rate_sum * shared[1]).T
+        for n, start, width in pieces:
+            refs["dQ"][:, pl.ds(start, width)] = dq_sum[n].T
+            refs["dK"][:, pl.ds(start, width)] = dk_sum[n].T
+
+    bsz, Tp, G, Np = Q.shape
+    Sp = geo.angle_width
+    slices = (G, grid.splits, grid.heads_per_slice)
+    position_major = lambda x: x.reshape((bsz,) + slices + x.shape[2:])        # [Bt, H, w, Tp] -> per slice (free)
+    group_major = lambda x: jnp.swapaxes(jnp.swapaxes(x, 1, 2), 2, 3)              # [Bt, Tp, G, w] -> [Bt, G, w, Tp]
+    inputs = [("Q", group_major(Q), _group_cols(grid)), ("K", group_major(K), _group_cols(grid)),
+              ("Q_bias", Q_bias.reshape(slices + (Np,)), grid.biases()),
+              ("K_bias", K_bias.reshape(slices + (Np,)), grid.biases()),
+              ("scale", grid.per_head(scale), grid.head_scalars()),
+              ("dq", position_major(dq), _head_cols(grid, Np)), ("dk", position_major(dk), _head_cols(grid, Np)),
+              ("theta", None if theta is None else grid.per_head(theta), grid.head_rows(Sp)),
+              ("theta_entry", grid.per_head(theta_entry) if recompute else None, grid.per_chunk(Sp)),
+              ("d_diagonal", None if d_diagonal is None else grid.per_head(d_diagonal.astype(F32)),
+               grid.head_scalars())]
+    if rotated:
+        if shared_angles:          # [Bt, Tp, 1, Sp] -> [Bt, Sp, Tp]
+            inputs.append(("angles", jnp.swapaxes(angles[:, :, 0], 1, 2), _shared_cols(grid, Sp)))
+        else:                      # [Bt, Tp, H, Sp] -> [Bt, H, Sp, Tp]
+            inputs.append(("angles", position_major(group_major(angles)), _head_cols(grid, Sp)))
+        inputs.append(("dt", grid.per_head(dt), grid.head_scalars()))
+    partials = jax.ShapeDtypeStruct((bsz, grid.blocks) + slices + (Np,), F32)
+    slice_sums = jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Np), F32)
+    outputs = [("dQ", slice_sums, grid.slice_rows()), ("dK", slice_sums, grid.slice_rows()),
+               ("d_scale", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars()),
+               ("dqb", partials, grid.per_chunk(Np)), ("dkb", partials, grid.per_chunk(Np))]
+    if rotated:
+        d_angles = ((jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Sp), F32), grid.slice_rows(Sp)) if shared_angles
+                    else (jax.ShapeDtypeStruct((bsz, Tp) + slices + (Sp,), F32), grid.head_rows(Sp)))
+        outputs += [("d_angles",) + d_angles,
+                    ("d_dt", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars()),
+                    ("d_theta_entry", jax.ShapeDtypeStruct((bsz, grid.blocks) + slices + (Sp,), F32),
+                     grid.per_chunk(Sp))]
+    return layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients_t",
+                         geo.config.num_warps_qk_grad)
