@@ -32,7 +32,7 @@ from pathlib import Path
 
 
 # ----------------------------------------------------------------------------------------- capture
-def capture(what, out_dir, scan_config=None, shape=None):
+def capture(what, out_dir, scan_config=None, shape=None, per_head_angles=False):
     """Lowers `what`'s forward+backward for an abstract H200, writing <name>.ttir and <name>.json
     (num_warps, num_stages) for every Pallas kernel."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -64,7 +64,7 @@ def capture(what, out_dir, scan_config=None, shape=None):
 
     lowering.lower_jaxpr_to_triton_module, reg.mlir.custom_call = lower, custom_call
     try:
-        fn, specs = _op(what, scan_config, shape)
+        fn, specs = _op(what, scan_config, shape, per_head_angles)
         device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
         mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
         from unittest import mock
@@ -77,7 +77,7 @@ def capture(what, out_dir, scan_config=None, shape=None):
         lowering.lower_jaxpr_to_triton_module, reg.mlir.custom_call = original_lower, original_call
 
 
-def _op(what, scan_config, shape):
+def _op(what, scan_config, shape, per_head_angles=False):
     """(fn, argument specs) of the op's forward+backward at the benchmark shape."""
     import jax
     import jax.numpy as jnp
@@ -102,7 +102,7 @@ def _op(what, scan_config, shape):
         from benchmarks import bench_mamba3_scan as m3
         bsz, T = shape[:2] if shape else (8, 2048)
         args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                            jax.eval_shape(lambda: m3.make_args(bsz, T, m3.DIMS)))
+                            jax.eval_shape(lambda: m3.make_args(bsz, T, m3.DIMS, per_head_angles=per_head_angles)))
         op = m3.op_function("pallas", 64, config or m3.DEFAULT_CONFIG)
         fn = m3.forward_and_backward(op)
         return fn, [args, jax.ShapeDtypeStruct(args["V"].shape, jnp.bfloat16)]
@@ -260,6 +260,7 @@ def main(argv=None):
     c.add_argument("--out", required=True)
     c.add_argument("--scan-config", default=None)
     c.add_argument("--shape", default=None, help="comma-separated, e.g. 8,2048,1536,16 (mamba1)")
+    c.add_argument("--per-head-angles", action="store_true", help="mamba3: angles per head (the op benchmark's)")
     k = sub.add_parser("compile")
     k.add_argument("dir")
     k.add_argument("--fp-fusion", action="store_true", help="let LLVM/ptxas form FMAs (Triton's default)")
@@ -267,7 +268,8 @@ def main(argv=None):
     k.add_argument("--sass", action="store_true", help="print the SASS too")
     a = p.parse_args(argv)
     if a.cmd == "capture":
-        capture(a.what, a.out, a.scan_config, tuple(int(x) for x in a.shape.split(",")) if a.shape else None)
+        capture(a.what, a.out, a.scan_config, tuple(int(x) for x in a.shape.split(",")) if a.shape else None,
+                a.per_head_angles)
     else:
         compile_dir(a.dir, a.fp_fusion, a.only, a.sass)
 
