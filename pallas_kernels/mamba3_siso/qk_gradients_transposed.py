@@ -113,14 +113,15 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
             return {n: cols[n] + bias_ref[head, pl.ds(start, width)][:, None] for n, start, width in pieces}
 
         q_cols, k_cols = group_cols(refs["Q"]), group_cols(refs["K"])
-        shared = angle_rate_and_slope(refs["angles"][...]) if shared_angles else None          # 2 × [Sp, rows]
+        # the shared rate π·tanh(angles) [Sp, rows]; its slope is formed after the head loop (not held through it)
+        shared_rate = angle_rate_and_slope(refs["angles"][...])[0] if shared_angles else None
 
         def head_step(j, sums):
             dq_sum, dk_sum, d_rate_sum = sums
             rotation = None
             if rotated:
                 dt_j = refs["dt"][:, j][None, :]                                                  # [1, rows]
-                rate_j, slope_j = shared if shared_angles else angle_rate_and_slope(refs["angles"][j, :, :])
+                rate_j, slope_j = (shared_rate, None) if shared_angles else angle_rate_and_slope(refs["angles"][j, :, :])
                 if recompute:
                     inc = rate_j * dt_j
                     theta_j = wrap_angle(refs["theta_entry"][j, :][:, None]
@@ -171,7 +172,7 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
         dq_sum, dk_sum, d_rate_sum = jax.lax.fori_loop(0, grid.heads_per_slice, head_step,
                                                        (zeros, dict(zeros), rate_zeros))
         if shared_angles:
-            refs["d_angles"][...] = (d_rate_sum * shared[1]).T
+            refs["d_angles"][...] = (d_rate_sum * angle_rate_and_slope(refs["angles"][...])[1]).T
         for n, start, width in pieces:
             refs["dQ"][:, pl.ds(start, width)] = dq_sum[n].T
             refs["dK"][:, pl.ds(start, width)] = dk_sum[n].T
