@@ -35,6 +35,7 @@ from jmamba.ops.mamba3_siso_scan.pallas import mamba3_siso_scan_pallas
 from jmamba.ops.mamba3_siso_scan.reference import mamba3_siso_scan_reference
 from pallas_kernels.mamba3_siso import Mamba3ScanConfig
 from pallas_kernels.mamba3_siso.config import chunk_length, make_geometry
+from pallas_kernels.mamba3_siso.qk_gradients_transposed import recomputes_theta
 
 STATES = Mamba3ScanState._fields
 # The queries' and keys' gradients rotated back in their chunk launches (head_gradients.py; off by default).
@@ -409,28 +410,33 @@ def test_bias_gradients_by_xla_match_reference(shape, skip_in_scores):
                             Mamba3ScanConfig(bias_gradients_by_xla=True, skip_in_scores=skip_in_scores))
 
 
-@pytest.mark.parametrize("N,S,G,H,splits,shared,sums,blocks,chunk", [
-    (7, 1, 3, 6, 4, True, "scan", 1, 16), (7, 1, 3, 6, 1, False, "scan", 1, 16), (12, 6, 1, 2, 4, True, "scan", 1, 16),
-    (8, 0, 2, 4, 4, True, "scan", 1, 16), (40, 10, 1, 3, 4, False, "scan", 1, 16), (7, 1, 1, 6, 4, True, "scan", 1, 16),
-    (7, 1, 1, 6, 4, False, "scan", 1, 16), (40, 10, 1, 3, 4, True, "matmul", 1, 16),
-    (36, 16, 2, 4, 2, False, "matmul", 1, 16), (40, 10, 1, 3, 4, True, "scan", 2, 16),
-    (7, 1, 1, 6, 4, False, "scan", 4, 32), (36, 16, 2, 4, 2, True, "matmul", 2, 32)],
+@pytest.mark.parametrize("N,S,G,H,splits,shared,sums,blocks,chunk,position_major", [
+    (7, 1, 3, 6, 4, True, "scan", 1, 16, True), (7, 1, 3, 6, 1, False, "scan", 1, 16, False),
+    (12, 6, 1, 2, 4, True, "scan", 1, 16, True), (8, 0, 2, 4, 4, True, "scan", 1, 16, True),
+    (40, 10, 1, 3, 4, False, "scan", 1, 16, False), (7, 1, 1, 6, 4, True, "scan", 1, 16, False),
+    (7, 1, 1, 6, 4, False, "scan", 1, 16, True), (40, 10, 1, 3, 4, True, "matmul", 1, 16, False),
+    (36, 16, 2, 4, 2, False, "matmul", 1, 16, True), (40, 10, 1, 3, 4, True, "scan", 2, 16, False),
+    (7, 1, 1, 6, 4, False, "scan", 4, 32, True), (36, 16, 2, 4, 2, True, "matmul", 2, 32, True)],
     ids=["rest-padded-groups", "one-slice-per-group", "full-rope", "no-angles", "three-heads",
          "three-slices-of-two-heads", "three-slices-per-head-rates", "angle-sums-by-matmul",
          "angle-sums-by-matmul-per-head", "gradient-blocks-of-8-rows", "gradient-blocks-per-head-rates",
          "gradient-blocks-angle-sums-by-matmul"])
-def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits, shared, sums, blocks, chunk):
+def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits, shared, sums, blocks, chunk,
+                                                          position_major):
     """The per-head q, k̃ kernel (and the θ it writes) against queries_keys.head_queries_keys at the
     angles of queries_keys.position_angles(π·tanh(angles)·DT), and the query/key gradient kernel against
     JAX's VJP of the two (every cotangent: Q, K, both biases, scale, the raw angles, shared by the heads or
     per head, DT, angles entering the chunks), whole chunks per program or blocks of their rows
-    (qk_grad_blocks: the later blocks' angle-gradient totals added outside the kernel)."""
+    (qk_grad_blocks: the later blocks' angle-gradient totals added outside the kernel); the gradient
+    kernel row-major or position-major (qk_gradients_transposed: dq, dk̃ given [Bt, H, Np, Tp], θ
+    recomputed from the entering angles when a block is a whole chunk)."""
     from pallas_kernels.mamba3_siso import qk_gradients, queries_keys
 
     bsz, T = 2, 2 * chunk
     geo = make_geometry(batch=bsz, seqlen=T, heads=H, groups=G, headdim=16, d_state=N, num_angles=S,
                         chunk_size=chunk, has_z=False, matmul_dtype=jnp.float32, io_dtype=jnp.float32, interpret=True,
-                        config=Mamba3ScanConfig(qk_head_splits=splits, angle_sums=sums, qk_grad_blocks=blocks))
+                        config=Mamba3ScanConfig(qk_head_splits=splits, angle_sums=sums, qk_grad_blocks=blocks,
+                                                qk_gradients_transposed=position_major))
     assert geo.angle_sums_by_matmul == (sums == "matmul")
     assert geo.qk_grad_rows == chunk // blocks
     assert geo.qk_splits == {2: min(splits, 2), 3: 3, 6: 3}[H // G]    # the largest divisor <= splits
@@ -470,8 +476,13 @@ def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits, sh
     dq, dk = (jnp.asarray(r.normal(size=(bsz, T, H, Np)), jnp.float32) for _ in range(2))
     d_diagonal = jnp.asarray(r.normal(size=(bsz, T, H)), jnp.float32)
     names = ("dQ", "dK", "dQ_bias", "dK_bias", "d_scale", "d_angles", "d_dt", "d_entry")
+    recompute = position_major and blocks == 1 and angles is not None
+    assert recompute == (angles is not None and recomputes_theta(geo))
+    kernel_dq, kernel_dk = (jnp.transpose(x, (0, 2, 3, 1)) if position_major else x for x in (dq, dk))
     for cot in ((dq, dk, None), (dq, dk, d_diagonal)):     # without and with the skip term's ⟨q̄, k̄⟩
-        got = qk_gradients.query_key_gradients(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta, *cot)
+        got = qk_gradients.query_key_gradients(geo, Q, K, Q_bias, K_bias, scale, angles, dt,
+                                               None if recompute else theta, kernel_dq, kernel_dk, cot[2],
+                                               theta_entry=entry if recompute else None)
         ref = vjp((cot[0], cot[1], jnp.zeros_like(d_diagonal) if cot[2] is None else cot[2]))
         for name, g, w in zip(names, got, ref):
             if w is None:

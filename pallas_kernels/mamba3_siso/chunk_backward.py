@@ -75,7 +75,7 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, 
     mm = geo.matmul_dtype
     # dq, dk̃ stored [width, L] into [Bt, H, Np, Tp] for qk_gradients_transposed.py (the transpose rides on
     # the conversion from the dot's register layout that any store of a dot result makes)
-    position_major = (lambda x: x.T) if geo.config.qk_gradients_transposed else (lambda x: x)
+    position_major = (lambda x: x.T) if geo.qk_grad_position_major else (lambda x: x)
 
     adt_in_values = forms_adt_with_values(geo, ops)
     rho_from_keys = state_dot_with_keys(geo, ops) and not values_only
@@ -173,7 +173,7 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, 
     bsz, Tp, H, Pp, Np = geo.batch, geo.padded_seqlen, geo.heads, geo.padded_headdim, geo.padded_state
     io = jnp.dtype(geo.io_dtype)
     seq = jax.ShapeDtypeStruct((bsz, Tp, H), F32)
-    if geo.config.qk_gradients_transposed:       # position-major for qk_gradients_transposed.py
+    if geo.qk_grad_position_major:       # position-major for qk_gradients_transposed.py
         per_head, qk_spec = jax.ShapeDtypeStruct((bsz, H, Np, Tp), geo.qk_gradient_dtype), grid.head_cols(Np)
     else:
         per_head, qk_spec = jax.ShapeDtypeStruct((bsz, Tp, H, Np), geo.qk_gradient_dtype), grid.head_rows(Np)

@@ -76,11 +76,15 @@ class Mamba3ScanConfig:
         registers per program and more programs in flight. The in-chunk reverse sums of the angle
         gradients are then formed per block, and the blocks after it in the chunk are added by XLA
         (the same sums in another order of the float32 additions).
-      qk_gradients_transposed: the query/key gradient kernel on [width, rows] tiles
+      qk_gradients_transposed: True: the query/key gradient kernel on [width, rows] tiles
         (qk_gradients_transposed.py): the chunk-gradient launch writes dq, dk̃ position-major, the kernel
         recomputes θ (the forward then stores none), and the sums over a block's rows (bias partials,
         dθ_entry) and the prefix sums of the angles stay inside a warp instead of crossing the 8 warps
-        through shared memory. The same sums in another order. Needs bias_gradients_by_xla=False.
+        through shared memory. The same sums in another order. Not with bias_gradients_by_xla (whose XLA
+        sums read dq, dk̃ row-major): that knob runs the row-major kernel. None (default): on when the
+        angles are shared by the heads (the model's case). H100, session 37: train step 73.4 → 71.7 ms
+        and 22.6 → 21.5 GiB (no θ stored); with per-head angles (the op benchmark's) the per-head tanh
+        and transposes made the kernel 414 → 481 µs, so those keep the row-major kernel.
       bias_gradients_by_xla: the query/key gradient kernel leaves the bias gradients out (their column
         sums over each block's rows are a third of its head loop and 30 of its 43 barriers,
         triton_inspect.py, notes_mamba3_scan.md v15) and XLA forms them from dq, dk̃ and θ in two
@@ -226,7 +230,7 @@ class Mamba3ScanConfig:
     num_warps_qk_grad: int = 8
     qk_grad_blocks: int = 1
     bias_gradients_by_xla: bool = False
-    qk_gradients_transposed: bool = False
+    qk_gradients_transposed: bool | None = None
     qk_head_splits: int = 1
     num_stages: int = 1
     min_width: int = 16
@@ -277,9 +281,6 @@ class Mamba3ScanConfig:
             raise ValueError(f"Mamba3ScanConfig.min_chunk ({self.min_chunk}) must be <= max_chunk ({self.max_chunk})")
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"Mamba3ScanConfig.num_stages must be a positive int, got {self.num_stages!r}")
-        if self.qk_gradients_transposed and self.bias_gradients_by_xla:
-            raise ValueError("Mamba3ScanConfig.qk_gradients_transposed needs the bias gradients in the kernel: "
-                             "bias_gradients_by_xla must be False with it")
         if isinstance(self.qk_head_splits, bool) or not isinstance(self.qk_head_splits, int) or self.qk_head_splits < 1:
             raise ValueError(f"Mamba3ScanConfig.qk_head_splits must be a positive int, got {self.qk_head_splits!r}")
         if type(self.head_gradient_launches) is not int or self.head_gradient_launches not in (1, 2):
@@ -301,10 +302,13 @@ class Mamba3ScanConfig:
                              f"got {self.qk_gradient_dtype!r}")
         if self.stored_for_keys is True and not self.stored_scores:
             raise ValueError("Mamba3ScanConfig.stored_for_keys=True needs stored_scores=True")
-        for name in ("adt_in_values", "keys_with_queries", "state_dot_with_keys", "bias_gradients_by_xla", "qk_gradients_transposed", "rotate_in_chunk_gradients", "skip_in_scores",
+        for name in ("adt_in_values", "keys_with_queries", "state_dot_with_keys", "bias_gradients_by_xla", "rotate_in_chunk_gradients", "skip_in_scores",
                      "fast_rotation", "fast_math", "fuse_qk_norm", "fuse_projection"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.qk_gradients_transposed is not None and type(self.qk_gradients_transposed) is not bool:
+            raise ValueError("Mamba3ScanConfig.qk_gradients_transposed must be None, True or False, got "
+                             f"{self.qk_gradients_transposed!r}")
         if self.fast_rotation_backward is not None and type(self.fast_rotation_backward) is not bool:
             raise ValueError("Mamba3ScanConfig.fast_rotation_backward must be True, False or None (follow "
                              f"fast_rotation), got {self.fast_rotation_backward!r}")
@@ -358,6 +362,7 @@ class ScanGeometry:
       io_dtype: dtype of V / Z / out.
       config: the launch parameters.
       interpret: run the kernels in the Pallas interpreter (CPU).
+      shared_angles: the raw angles are shared by the heads ([Bt, T, 1, S], the model's case).
     """
 
     batch: int
@@ -377,6 +382,7 @@ class ScanGeometry:
     io_dtype: str
     config: Mamba3ScanConfig
     interpret: bool = False
+    shared_angles: bool = False
 
     @property
     def n_chunks(self) -> int:
@@ -391,6 +397,17 @@ class ScanGeometry:
         """Programs sharing the heads of one group in the query/key kernels (divides heads_per_group)."""
         hpg = self.heads_per_group
         return max(d for d in range(1, min(self.config.qk_head_splits, hpg) + 1) if hpg % d == 0)
+
+    @property
+    def qk_grad_position_major(self) -> bool:
+        """Whether the query/key gradient kernel runs on position-major tiles: config.qk_gradients_transposed,
+        or when that is None, angles shared by the heads (the measured case); never with
+        config.bias_gradients_by_xla (whose XLA sums read dq, dk̃ row-major)."""
+        if self.config.bias_gradients_by_xla:
+            return False
+        if self.config.qk_gradients_transposed is None:
+            return self.shared_angles and self.num_angles > 0
+        return self.config.qk_gradients_transposed
 
     @property
     def qk_grad_rows(self) -> int:
@@ -446,7 +463,7 @@ class ScanGeometry:
 
 def make_geometry(*, batch, seqlen, heads, groups, headdim, d_state, num_angles, chunk_size, has_z,
                   matmul_dtype, io_dtype, config: Mamba3ScanConfig | None = None,
-                  interpret: bool = False) -> ScanGeometry:
+                  interpret: bool = False, shared_angles: bool = False) -> ScanGeometry:
     """The static plan of a call (see ScanGeometry); `config` None means DEFAULT_CONFIG."""
     if config is not None and not isinstance(config, Mamba3ScanConfig):
         raise TypeError(f"config must be a Mamba3ScanConfig or None, got {type(config).__name__}")
@@ -464,4 +481,4 @@ def make_geometry(*, batch, seqlen, heads, groups, headdim, d_state, num_angles,
         padded_headdim=width(headdim), angle_width=angle_width,
         padded_state=width(2 * angle_width + d_state - 2 * num_angles),
         has_z=bool(has_z), matmul_dtype=jnp.dtype(matmul_dtype).name, io_dtype=jnp.dtype(io_dtype).name,
-        config=cfg, interpret=bool(interpret))
+        config=cfg, interpret=bool(interpret), shared_angles=bool(shared_angles))

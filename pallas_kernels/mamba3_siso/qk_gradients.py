@@ -174,7 +174,7 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
         return layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients",
                              geo.config.num_warps_qk_grad)
 
-    if geo.config.qk_gradients_transposed:
+    if geo.qk_grad_position_major:
         out = query_key_gradients_transposed(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta, dq, dk, d_diagonal,
                                              theta_entry)
     else:

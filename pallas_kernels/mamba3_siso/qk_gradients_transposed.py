@@ -78,7 +78,7 @@ def _shared_cols(grid: layout.GroupGrid, width):
 def recomputes_theta(geo: ScanGeometry) -> bool:
     """Whether the transposed kernel forms θ itself (each program's block is a whole chunk), so the
     forward need not store it."""
-    return geo.config.qk_gradients_transposed and geo.qk_grad_rows == geo.chunk
+    return geo.qk_grad_position_major and geo.qk_grad_rows == geo.chunk
 
 
 def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, dt, theta, dq, dk,
@@ -101,9 +101,6 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
         raise ValueError("query_key_gradients_transposed: θ can be recomputed only when a block is a whole chunk")
     with_diagonal = d_diagonal is not None
     by_matmul = geo.angle_sums_by_matmul
-    if geo.config.bias_gradients_by_xla:
-        raise ValueError("Mamba3ScanConfig.qk_gradients_transposed needs the bias gradients in the kernel "
-                         "(bias_gradients_by_xla=False)")
 
     def body(refs):
         def group_cols(ref):    # the block's group rows as [width, rows] pieces

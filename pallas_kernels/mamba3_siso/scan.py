@@ -81,7 +81,8 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, dt, angl
     S = angle0.shape[-1]
     geo = make_geometry(batch=bsz, seqlen=T, heads=H, groups=G, headdim=P, d_state=N, num_angles=S,
                         chunk_size=chunk_size, has_z=Z is not None, matmul_dtype=matmul_dtype(Q, K, V),
-                        io_dtype=V.dtype, config=config, interpret=interpret)
+                        io_dtype=V.dtype, config=config, interpret=interpret,
+                        shared_angles=bool(S) and angles.shape[2] == 1)
     theta_entry = None
     theta_final = angle0
     if S:
@@ -181,7 +182,7 @@ def projected_scan(rest, V, dt_bias, K_weight, Q_weight, Q_bias, K_bias, D, init
     G, N, S = groups, d_state, num_angles
     geo = make_geometry(batch=bsz, seqlen=T, heads=H, groups=G, headdim=P, d_state=N, num_angles=S,
                         chunk_size=chunk_size, has_z=Z is not None, matmul_dtype=matmul_dtype(rest, rest, V),
-                        io_dtype=V.dtype, config=config, interpret=interpret)
+                        io_dtype=V.dtype, config=config, interpret=interpret, shared_angles=True)
     Kk, Qk, adt, dt, gamma, prev_weight, angles = projection(geo, _pad_time(geo, rest), dt_bias, K_weight, Q_weight,
                                                              T, float(eps), per_head)
     # s = γ + σ̂, σ̂_t = β/α at t + 1 (zero past the window: the padding rows are zeros)
