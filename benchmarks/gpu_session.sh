@@ -50,7 +50,9 @@
 # bench_rms_norm.py's sweep, the train steps of both models with the kernels (default) and with the XLA
 # composition ("+xlanorm" suffix: --prefer add_rms_norm=xla).
 # qkt_tests: the GPU tests of Mamba3ScanConfig.qk_gradients_transposed (session 37) and of fast_math (checked against
-# the default config's own error); time the kernel with M3_CFGS="default qk_gradients_transposed=True" m3_profx.
+# the default config's own error) and of transposed_gradient_dots; time them in the train step (shared angles: the
+# position-major kernel's default case) with E2E3_CFGS="default transposed_gradient_dots=True" e2e3x (m3_profx
+# profiles per-head angles, where the row-major kernel is the default).
 # kq_tests: the GPU tests of Mamba3ScanConfig.keys_with_queries (with state_dot_with_keys, session 34) and of
 # bias_gradients_by_xla (session 35); time them with M3_CFGS="default keys_with_queries=True ..." m3_profx and
 # E2E3_CFGS=keys_with_queries=True e2e3x.
@@ -208,7 +210,7 @@ for s in $stages; do case $s in
   norm_tests)  run gpu_tests_norm 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_add_rms_norm.py -rA ;;
   norm_bench)  run rms_norm_bench 150 python3 benchmarks/bench_rms_norm.py ;;
   norm_ab)     train_steps mamba1 default default+xlanorm ; train_steps mamba3 default default+xlanorm ;;
-  qkt_tests)   run gpu_tests_position_major 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -k "position_major or fast_math" -rA ;;
+  qkt_tests)   run gpu_tests_position_major 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -k "position_major or fast_math or transposed_gradient_dots" -rA ;;
   fm_tests)    run gpu_tests_fast_math 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -k "fast_math or bit_identical" -rA ;;
   fr_tests)    run gpu_tests_finite_rows 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_finite_rows.py -rA ;;
   kq_tests)    run gpu_tests_keys_with_queries 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -k "keys_and_queries or bias_gradients_by_xla" -rA ;;

@@ -98,6 +98,8 @@ SLOW_TESTS = (
      "shared-angles-two-blocks-stored-theta"),
     ("test_mamba3_scan_pallas.py", "test_position_major_query_key_gradients_match_reference",
      "no-angles-separate-launches"),
+    ("test_mamba3_scan_pallas.py", "test_position_major_query_key_gradients_match_reference",
+     "shared-angles-transposed-dots"),
     ("test_mamba3_projected.py", "test_row_splits_change_nothing", None),
     ("test_mamba3_qk_norm.py", "test_the_op_normalizes_as_rms_norm_before_it", "pallas-fused"),
     ("test_causal_conv_pallas.py", "test_values_and_every_cotangent_match_the_xla_conv", "loop-"),

@@ -286,13 +286,15 @@ def test_fast_math_matches_reference(shape, config):
     ((2, 37, 4, 2, 8, 3, 2), False, 16, Mamba3ScanConfig(qk_gradients_transposed=True)),
     ((2, 50, 4, 1, 16, 8, 4), True, 32, Mamba3ScanConfig(qk_gradients_transposed=True, qk_grad_blocks=2)),
     ((1, 20, 2, 1, 8, 16, 0), False, 16, Mamba3ScanConfig(qk_gradients_transposed=True, gradient_kernels=3,
-                                                          **NOT_STORED))],
-    ids=["per-head-angles-groups", "shared-angles-two-blocks-stored-theta", "no-angles-separate-launches"])
+                                                          **NOT_STORED)),
+    ((2, 37, 4, 2, 8, 3, 2), True, 16, Mamba3ScanConfig(transposed_gradient_dots=True))],
+    ids=["per-head-angles-groups", "shared-angles-two-blocks-stored-theta", "no-angles-separate-launches",
+         "shared-angles-transposed-dots"])
 def test_position_major_query_key_gradients_match_reference(shape, shared, chunk_size, config):
     """config.qk_gradients_transposed (the query/key gradient kernel on [width, rows] tiles, dq and dk̃
     written position-major, θ recomputed): every value and cotangent, angles per head and shared, a
     chunk cut into two row blocks (θ then stored by the forward), no angles with dq and dk̃ from
-    separate launches."""
+    separate launches, dq and dk̃ formed by transposed dots (transposed_gradient_dots)."""
     arrays, states = make_inputs(shape, jnp.float32, seed=29)
     if shared:
         arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
@@ -891,6 +893,15 @@ def test_gpu_position_major_query_key_gradients_match_reference(shared):
     if shared:
         arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
     check_no_less_accurate(arrays, states, 64, 2.5e-2, Mamba3ScanConfig(qk_gradients_transposed=True))
+
+
+@pytest.mark.gpu
+def test_gpu_transposed_gradient_dots_match_reference():
+    """config.transposed_gradient_dots (dq, dk̃ position-major straight from swapped dots) at the benchmark
+    shape, shared angles (where the position-major query/key gradients run by default)."""
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=31)
+    check_no_less_accurate(dict(arrays, Angles=arrays["Angles"][:, :, :1]), states, 64, 2.5e-2,
+                           Mamba3ScanConfig(transposed_gradient_dots=True))
 
 
 @pytest.mark.gpu

@@ -85,6 +85,9 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, 
         dADT with the values instead when `adt_in_values`."""
         adt_values = values and adt_in_values           # this launch forms dADT from the stored products
         adt_keys = keys and not adt_in_values
+        # position-major dq, dk̃ as transposed dots (config.transposed_gradient_dots), unless dADT needs V·dS
+        # or dY·S_c row-major in this launch
+        transposed_dots = geo.qk_grad_position_major and geo.config.transposed_gradient_dots and not adt_keys
         decay = chunk_decay(refs["adt"][...], geo)
         # the forward's products, when the launch was given them (config.stored_scores / stored_ungated /
         # stored_for_keys; the launches are then one group each)
@@ -145,7 +148,11 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, 
                      - jnp.sum(m, axis=0))
             else:
                 r = jnp.sum(m, axis=1) - jnp.sum(m, axis=0)
-        if keys:
+        if keys and transposed_dots:    # dK̃ᵀ = q̃ᵀ·(A⊙Λ) + (dSᵀ·Vᵀ)·diag(w): [Np, L] straight from the dots
+            refs["dk"][...] = (dot(q, attn * lam, mm, trans_a=True)
+                               + dot(d_state, v, mm, trans_a=True, trans_b=True)
+                               * decay.to_end[None, :]).astype(refs["dk"].dtype)
+        elif keys:
             v_ds = dot(v, d_state, mm)                                  # V·dS  [L, Np]
             refs["dk"][...] = position_major((dot(attn * lam, q, mm, trans_a=True)
                                               + decay.to_end[:, None] * v_ds).astype(refs["dk"].dtype))
@@ -153,7 +160,11 @@ def chunk_gradients(geo: ScanGeometry, ops: dict, entering, leaving_adjoint, *, 
             to_end = decay.to_end * jnp.sum(v_ds * k.astype(F32), axis=1)
             state_dot = total(refs["state"][...].astype(F32) * d_state.astype(F32))
 
-        if queries:
+        if queries and transposed_dots:  # dQᵀ = K̃ᵀ·(A⊙Λ)ᵀ + (S_cᵀ·dYᵀ)·diag(e^{cs})
+            refs["dq"][...] = (dot(k, attn * lam, mm, trans_a=True, trans_b=True)
+                               + dot(refs["state"][...], dy, mm, trans_a=True, trans_b=True)
+                               * decay.read[None, :]).astype(refs["dq"].dtype)
+        elif queries:
             dy_state = dot(dy, refs["state"][...], mm)                  # dY·S_c  [L, Np]
             refs["dq"][...] = position_major((dot(attn * lam, k, mm)
                                               + decay.read[:, None] * dy_state).astype(refs["dq"].dtype))

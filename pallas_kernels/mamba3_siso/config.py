@@ -85,6 +85,10 @@ class Mamba3ScanConfig:
         angles are shared by the heads (the model's case). H100, session 37: train step 73.4 → 71.7 ms
         and 22.6 → 21.5 GiB (no θ stored); with per-head angles (the op benchmark's) the per-head tanh
         and transposes made the kernel 414 → 481 µs, so those keep the row-major kernel.
+      transposed_gradient_dots: with the position-major query/key gradients, the chunk-gradient launch
+        forms dq, dk̃ transposed by swapping the operands of their dots instead of transposing the
+        [L, Np] results before the store (+23 µs per call measured for the latter, session 37).
+        Untimed; off.
       bias_gradients_by_xla: the query/key gradient kernel leaves the bias gradients out (their column
         sums over each block's rows are a third of its head loop and 30 of its 43 barriers,
         triton_inspect.py, notes_mamba3_scan.md v15) and XLA forms them from dq, dk̃ and θ in two
@@ -231,6 +235,7 @@ class Mamba3ScanConfig:
     qk_grad_blocks: int = 1
     bias_gradients_by_xla: bool = False
     qk_gradients_transposed: bool | None = None
+    transposed_gradient_dots: bool = False
     qk_head_splits: int = 1
     num_stages: int = 1
     min_width: int = 16
@@ -302,7 +307,7 @@ class Mamba3ScanConfig:
                              f"got {self.qk_gradient_dtype!r}")
         if self.stored_for_keys is True and not self.stored_scores:
             raise ValueError("Mamba3ScanConfig.stored_for_keys=True needs stored_scores=True")
-        for name in ("adt_in_values", "keys_with_queries", "state_dot_with_keys", "bias_gradients_by_xla", "rotate_in_chunk_gradients", "skip_in_scores",
+        for name in ("adt_in_values", "keys_with_queries", "state_dot_with_keys", "bias_gradients_by_xla", "transposed_gradient_dots", "rotate_in_chunk_gradients", "skip_in_scores",
                      "fast_rotation", "fast_math", "fuse_qk_norm", "fuse_projection"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")
