@@ -48,7 +48,7 @@ from pallas_kernels.mamba3_siso import layout
 from pallas_kernels.mamba3_siso.chunk_math import (angle_gradient, angle_rate_and_slope, reverse_cumsum, rotate_back,
                                                   rotation_of)
 from pallas_kernels.mamba3_siso.config import ScanGeometry
-from pallas_kernels.mamba3_siso.qk_gradients_transposed import query_key_gradients_transposed
+from pallas_kernels.mamba3_siso.qk_gradients_transposed import kernel_outputs, query_key_gradients_transposed
 from pallas_kernels.mamba3_siso.queries_keys import angles_operand
 
 
@@ -158,19 +158,7 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
                    grid.head_scalars())]
         if rotated:
             inputs += [angles_operand(grid, angles), ("dt", grid.per_head(dt), grid.head_scalars())]
-        partials = jax.ShapeDtypeStruct((bsz, grid.blocks) + slices + (Np,), F32)
-        slice_sums = jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Np), F32)
-        outputs = [("dQ", slice_sums, grid.slice_rows()), ("dK", slice_sums, grid.slice_rows()),
-                   ("d_scale", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars())]
-        if biases_in_kernel:
-            outputs += [("dqb", partials, grid.per_chunk(Np)), ("dkb", partials, grid.per_chunk(Np))]
-        if rotated:
-            d_angles = ((jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Sp), F32), grid.slice_rows(Sp)) if shared_angles
-                        else (jax.ShapeDtypeStruct((bsz, Tp) + slices + (Sp,), F32), grid.head_rows(Sp)))
-            outputs += [("d_angles",) + d_angles,
-                        ("d_dt", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars()),
-                        ("d_theta_entry", jax.ShapeDtypeStruct((bsz, grid.blocks) + slices + (Sp,), F32),
-                         grid.per_chunk(Sp))]
+        outputs = kernel_outputs(grid, bsz, G, rotated=rotated, shared_angles=shared_angles, biases=biases_in_kernel)
         return layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients",
                              geo.config.num_warps_qk_grad)
 

@@ -194,11 +194,25 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
         else:                      # [Bt, Tp, H, Sp] -> [Bt, H, Sp, Tp]
             inputs.append(("angles", position_major(group_major(angles)), _head_cols(grid, Sp)))
         inputs.append(("dt", grid.per_head(dt), grid.head_scalars()))
-    partials = jax.ShapeDtypeStruct((bsz, grid.blocks) + slices + (Np,), F32)
+    outputs = kernel_outputs(grid, bsz, G, rotated=rotated, shared_angles=shared_angles, biases=True)
+    return layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients_t",
+                         geo.config.num_warps_qk_grad)
+
+
+def kernel_outputs(grid: layout.GroupGrid, bsz, G, *, rotated, shared_angles, biases):
+    """The (name, ShapeDtypeStruct, BlockSpec) outputs of both query/key gradient kernels (this module's
+    and qk_gradients.py's, which write the same arrays): the slice's dQ, dK rows, d s per head, the
+    per-block bias partials (`biases`), and with angles d angles (per slice when shared by the heads,
+    per head otherwise), d DT and the per-block dθ_entry partials; all float32."""
+    geo = grid.geo
+    Tp, Np, Sp = geo.padded_seqlen, geo.padded_state, geo.angle_width
+    slices = (G, grid.splits, grid.heads_per_slice)
     slice_sums = jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Np), F32)
     outputs = [("dQ", slice_sums, grid.slice_rows()), ("dK", slice_sums, grid.slice_rows()),
-               ("d_scale", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars()),
-               ("dqb", partials, grid.per_chunk(Np)), ("dkb", partials, grid.per_chunk(Np))]
+               ("d_scale", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars())]
+    if biases:
+        partials = jax.ShapeDtypeStruct((bsz, grid.blocks) + slices + (Np,), F32)
+        outputs += [("dqb", partials, grid.per_chunk(Np)), ("dkb", partials, grid.per_chunk(Np))]
     if rotated:
         d_angles = ((jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Sp), F32), grid.slice_rows(Sp)) if shared_angles
                     else (jax.ShapeDtypeStruct((bsz, Tp) + slices + (Sp,), F32), grid.head_rows(Sp)))
@@ -206,5 +220,4 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
                     ("d_dt", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars()),
                     ("d_theta_entry", jax.ShapeDtypeStruct((bsz, grid.blocks) + slices + (Sp,), F32),
                      grid.per_chunk(Sp))]
-    return layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients_t",
-                         geo.config.num_warps_qk_grad)
+    return outputs
