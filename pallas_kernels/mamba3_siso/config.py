@@ -82,7 +82,7 @@ class Mamba3ScanConfig:
         dθ_entry) and the prefix sums of the angles stay inside a warp instead of crossing the 8 warps
         through shared memory. The same sums in another order. Not with bias_gradients_by_xla (whose XLA
         sums read dq, dk̃ row-major): that knob runs the row-major kernel. None (default): on when the
-        angles are shared by the heads (the model's case). H100, session 37: train step 73.4 → 71.7 ms
+        angles are shared by the heads (the model's case). H100, session 37: train step 73.6 → 71.9 ms
         and 22.6 → 21.5 GiB (no θ stored); with per-head angles (the op benchmark's) the per-head tanh
         and transposes made the kernel 414 → 481 µs, so those keep the row-major kernel.
       transposed_gradient_dots: with the position-major query/key gradients, the chunk-gradient launch

@@ -146,7 +146,10 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
     H, Sp = geo.heads, geo.angle_width
     nc, nb = geo.n_chunks, grid.blocks // geo.n_chunks
 
-    def launch_row_major():
+    if geo.qk_grad_position_major:
+        out = query_key_gradients_transposed(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta, dq, dk, d_diagonal,
+                                             theta_entry)
+    else:
         slices = (G, grid.splits, grid.heads_per_slice)
         inputs = [("Q", Q, grid.group_rows()), ("K", K, grid.group_rows()),
                   ("Q_bias", Q_bias.reshape(slices + (Np,)), grid.biases()),
@@ -159,14 +162,9 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
         if rotated:
             inputs += [angles_operand(grid, angles), ("dt", grid.per_head(dt), grid.head_scalars())]
         outputs = kernel_outputs(grid, bsz, G, rotated=rotated, shared_angles=shared_angles, biases=biases_in_kernel)
-        return layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients",
-                             geo.config.num_warps_qk_grad)
+        out = layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients",
+                            geo.config.num_warps_qk_grad)
 
-    if geo.qk_grad_position_major:
-        out = query_key_gradients_transposed(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta, dq, dk, d_diagonal,
-                                             theta_entry)
-    else:
-        out = launch_row_major()
     d_angles = d_dt = d_entry = None
     if rotated:
         d_angles = (out["d_angles"].sum(axis=(2, 3))[:, :, None] if shared_angles

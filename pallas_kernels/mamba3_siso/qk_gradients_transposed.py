@@ -86,7 +86,7 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
     """The kernel of qk_gradients.query_key_gradients on position-major tiles.
 
     Args: as qk_gradients.query_key_gradients, except dq, dk [Bt, H, Np, Tp] position-major (the chunk
-      launch's `position_major` output), and θ: the stored [Bt, Tp, H, Sp] angles, or None with
+      launch's position-major output), and θ: the stored [Bt, Tp, H, Sp] angles, or None with
       theta_entry [Bt, nc, H, Sp] (the chunk-entry angles) when `recomputes_theta(geo)`.
 
     Returns the kernel's outputs by name in qk_gradients.py's layouts (dQ, dK [Bt, Tp, G, splits, Np],
@@ -174,16 +174,16 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
             refs["dQ"][:, pl.ds(start, width)] = dq_sum[n].T
             refs["dK"][:, pl.ds(start, width)] = dk_sum[n].T
 
-    bsz, Tp, G, Np = Q.shape
+    bsz, _, G, Np = Q.shape
     Sp = geo.angle_width
     slices = (G, grid.splits, grid.heads_per_slice)
-    position_major = lambda x: x.reshape((bsz,) + slices + x.shape[2:])        # [Bt, H, w, Tp] -> per slice (free)
-    group_major = lambda x: jnp.swapaxes(jnp.swapaxes(x, 1, 2), 2, 3)              # [Bt, Tp, G, w] -> [Bt, G, w, Tp]
-    inputs = [("Q", group_major(Q), _group_cols(grid)), ("K", group_major(K), _group_cols(grid)),
+    per_slice = lambda x: x.reshape((bsz,) + slices + x.shape[2:])     # [Bt, H, w, Tp] -> [Bt, G, sl, hps, w, Tp] (free)
+    positions_last = lambda x: jnp.moveaxis(x, 1, 3)                    # [Bt, Tp, G or H, w] -> [Bt, G or H, w, Tp]
+    inputs = [("Q", positions_last(Q), _group_cols(grid)), ("K", positions_last(K), _group_cols(grid)),
               ("Q_bias", Q_bias.reshape(slices + (Np,)), grid.biases()),
               ("K_bias", K_bias.reshape(slices + (Np,)), grid.biases()),
               ("scale", grid.per_head(scale), grid.head_scalars()),
-              ("dq", position_major(dq), _head_cols(grid, Np)), ("dk", position_major(dk), _head_cols(grid, Np)),
+              ("dq", per_slice(dq), _head_cols(grid, Np)), ("dk", per_slice(dk), _head_cols(grid, Np)),
               ("theta", None if theta is None else grid.per_head(theta), grid.head_rows(Sp)),
               ("theta_entry", grid.per_head(theta_entry) if recompute else None, grid.per_chunk(Sp)),
               ("d_diagonal", None if d_diagonal is None else grid.per_head(d_diagonal.astype(F32)),
@@ -192,7 +192,7 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
         if shared_angles:          # [Bt, Tp, 1, Sp] -> [Bt, Sp, Tp]
             inputs.append(("angles", jnp.swapaxes(angles[:, :, 0], 1, 2), _shared_cols(grid, Sp)))
         else:                      # [Bt, Tp, H, Sp] -> [Bt, H, Sp, Tp]
-            inputs.append(("angles", position_major(group_major(angles)), _head_cols(grid, Sp)))
+            inputs.append(("angles", per_slice(positions_last(angles)), _head_cols(grid, Sp)))
         inputs.append(("dt", grid.per_head(dt), grid.head_scalars()))
     outputs = kernel_outputs(grid, bsz, G, rotated=rotated, shared_angles=shared_angles, biases=True)
     return layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients_t",
