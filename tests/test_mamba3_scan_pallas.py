@@ -287,14 +287,22 @@ def test_fast_math_matches_reference(shape, config):
     ((2, 50, 4, 1, 16, 8, 4), True, 32, Mamba3ScanConfig(qk_gradients_transposed=True, qk_grad_blocks=2)),
     ((1, 20, 2, 1, 8, 16, 0), False, 16, Mamba3ScanConfig(qk_gradients_transposed=True, gradient_kernels=3,
                                                           **NOT_STORED)),
-    ((2, 37, 4, 2, 8, 3, 2), True, 16, Mamba3ScanConfig(transposed_gradient_dots=True))],
+    ((2, 37, 4, 2, 8, 3, 2), True, 16, Mamba3ScanConfig(transposed_gradient_dots=True)),
+    ((2, 37, 4, 2, 8, 3, 2), False, 16, Mamba3ScanConfig(qk_gradients_transposed=True, stored_theta=True,
+                                                         position_major_d_angles=True)),
+    ((2, 50, 4, 1, 16, 8, 4), False, 32, Mamba3ScanConfig(qk_gradients_transposed=True, qk_grad_blocks=2,
+                                                          stored_theta=True)),
+    ((2, 37, 4, 2, 8, 3, 2), True, 16, Mamba3ScanConfig(position_major_d_angles=True))],
     ids=["per-head-angles-groups", "shared-angles-two-blocks-stored-theta", "no-angles-separate-launches",
-         "shared-angles-transposed-dots"])
+         "shared-angles-transposed-dots", "per-head-angles-theta-and-d-angles-position-major",
+         "per-head-angles-two-blocks-theta-position-major", "shared-angles-d-angles-position-major"])
 def test_position_major_query_key_gradients_match_reference(shape, shared, chunk_size, config):
     """config.qk_gradients_transposed (the query/key gradient kernel on [width, rows] tiles, dq and dk̃
     written position-major, θ recomputed): every value and cotangent, angles per head and shared, a
     chunk cut into two row blocks (θ then stored by the forward), no angles with dq and dk̃ from
-    separate launches, dq and dk̃ formed by transposed dots (transposed_gradient_dots)."""
+    separate launches, dq and dk̃ formed by transposed dots (transposed_gradient_dots), θ stored
+    position-major by the forward (stored_theta; whole chunks and two row blocks per chunk), the
+    angles' gradient written position-major (position_major_d_angles)."""
     arrays, states = make_inputs(shape, jnp.float32, seed=29)
     if shared:
         arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
@@ -893,6 +901,15 @@ def test_gpu_position_major_query_key_gradients_match_reference(shared):
     if shared:
         arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
     check_no_less_accurate(arrays, states, 64, 2.5e-2, Mamba3ScanConfig(qk_gradients_transposed=True))
+
+
+@pytest.mark.gpu
+def test_gpu_position_major_theta_and_d_angles_match_reference():
+    """config.stored_theta and position_major_d_angles (θ stored position-major by the forward, the angle
+    gradient written position-major) at the benchmark shape with per-head angles (the op benchmark's)."""
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=32)
+    check_no_less_accurate(arrays, states, 64, 2.5e-2, Mamba3ScanConfig(
+        qk_gradients_transposed=True, stored_theta=True, position_major_d_angles=True))
 
 
 @pytest.mark.gpu

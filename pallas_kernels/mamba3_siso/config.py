@@ -89,6 +89,14 @@ class Mamba3ScanConfig:
         forms dq, dk̃ transposed by swapping the operands of their dots instead of transposing the
         [L, Np] results before the store (+23 µs per call measured for the latter, session 37).
         Untimed; off.
+      stored_theta: with the position-major query/key gradients, the forward query/key kernel stores θ
+        position-major ([Bt, H, Sp, Tp] float32, each head's [L, Sp] tile transposed before its store)
+        and the kernel loads it, instead of recomputing θ from θ_entry (False, the default: no θ
+        stored, measured with shared angles, session 37). With per-head angles the recompute costs
+        a tanh and a prefix sum per head (the kernel was 481 µs against the row-major 414). Untimed.
+      position_major_d_angles: the position-major query/key gradient kernel writes the angles'
+        gradient position-major as well (no transpose in the kernel); XLA transposes it back inside
+        the sums that consume it. Untimed; off.
       bias_gradients_by_xla: the query/key gradient kernel leaves the bias gradients out (their column
         sums over each block's rows are a third of its head loop and 30 of its 43 barriers,
         triton_inspect.py, notes_mamba3_scan.md v15) and XLA forms them from dq, dk̃ and θ in two
@@ -236,6 +244,8 @@ class Mamba3ScanConfig:
     bias_gradients_by_xla: bool = False
     qk_gradients_transposed: bool | None = None
     transposed_gradient_dots: bool = False
+    stored_theta: bool = False
+    position_major_d_angles: bool = False
     qk_head_splits: int = 1
     num_stages: int = 1
     min_width: int = 16
@@ -307,7 +317,8 @@ class Mamba3ScanConfig:
                              f"got {self.qk_gradient_dtype!r}")
         if self.stored_for_keys is True and not self.stored_scores:
             raise ValueError("Mamba3ScanConfig.stored_for_keys=True needs stored_scores=True")
-        for name in ("adt_in_values", "keys_with_queries", "state_dot_with_keys", "bias_gradients_by_xla", "transposed_gradient_dots", "rotate_in_chunk_gradients", "skip_in_scores",
+        for name in ("adt_in_values", "keys_with_queries", "state_dot_with_keys", "bias_gradients_by_xla", "transposed_gradient_dots", "stored_theta",
+                     "position_major_d_angles", "rotate_in_chunk_gradients", "skip_in_scores",
                      "fast_rotation", "fast_math", "fuse_qk_norm", "fuse_projection"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")
@@ -413,6 +424,13 @@ class ScanGeometry:
         if self.config.qk_gradients_transposed is None:
             return self.shared_angles and self.num_angles > 0
         return self.config.qk_gradients_transposed
+
+    @property
+    def theta_position_major(self) -> bool:
+        """Whether the forward stores θ position-major for the position-major query/key gradient kernel
+        (config.stored_theta; never with rotate_in_chunk_gradients, whose launch reads θ row-major)."""
+        return (self.qk_grad_position_major and self.config.stored_theta and self.num_angles > 0
+                and not self.config.rotate_in_chunk_gradients)
 
     @property
     def qk_grad_rows(self) -> int:

@@ -226,6 +226,26 @@ class GroupGrid:
         return pl.BlockSpec((None, self.block_rows, None, None, self.heads_per_slice, width),
                             lambda p: self.index(p) + (0, 0))
 
+    def per_slice_cols(self, x):
+        """position-major [Bt, H, w, Tp] -> [Bt, G, splits, heads per slice, w, Tp] (free reshape)."""
+        return x.reshape(x.shape[:1] + (self.geo.groups, self.splits, self.heads_per_slice) + x.shape[2:])
+
+    def head_cols(self, width):
+        """per_slice_cols([Bt, H, width, Tp]) (position-major per-head tiles: dq, dk̃, θ, per-head angles):
+        the slice's [heads per slice, width, rows] block."""
+        def index(p):
+            b, c, g, sl = self.index(p)
+            return b, g, sl, 0, 0, c
+        return pl.BlockSpec((None, None, None, self.heads_per_slice, width, self.block_rows), index)
+
+    def slice_cols(self, width):
+        """[Bt, G, splits, width, Tp] (position-major per-slice sums: the shared angles' gradient): the
+        program's [width, rows] block."""
+        def index(p):
+            b, c, g, sl = self.index(p)
+            return b, g, sl, 0, c
+        return pl.BlockSpec((None, None, None, width, self.block_rows), index)
+
     def head_scalars(self):
         """per_head([Bt, Tp, H]): a [rows, heads per slice] block."""
         return pl.BlockSpec((None, self.block_rows, None, None, self.heads_per_slice), lambda p: self.index(p) + (0,))

@@ -63,7 +63,8 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
       d_diagonal: [Bt, Tp, H] float32 gradient of ⟨q̄_h, k̄_h⟩ (queries_keys.head_diagonal), or None (no
         such term): adds d_diagonal·k̄_h to dx̄_h and d_diagonal·q̄_h to dȳ_h, hence to dQ, dK and the biases.
       With config.qk_gradients_transposed (qk_gradients_transposed.py): dq, dk are [Bt, H, Np, Tp]
-        (position-major), and θ may be None with theta_entry [Bt, nc, H, Sp] (θ recomputed there).
+        (position-major), and θ may be None with theta_entry [Bt, nc, H, Sp] (θ recomputed there) or,
+        with config.stored_theta, position-major [Bt, H, Sp, Tp].
 
     Returns:
       (dQ, dK [Bt, Tp, G, Np] float32, dQ_bias, dK_bias [H, Np] float32, d_scale [Bt, Tp, H] float32,

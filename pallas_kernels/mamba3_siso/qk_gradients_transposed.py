@@ -16,13 +16,16 @@ Where the tiles come from:
            Σ_{r <= t} inc_r), a prefix sum along the rows that also stays inside a warp; the forward
            then writes no θ ([Bt, Tp, H, Sp] float32: 50 MB per layer at the benchmark shape). Only
            when the block is a whole chunk (qk_grad_blocks = 1); otherwise the stored θ is loaded and
-           transposed in the kernel;
+           transposed in the kernel. With config.stored_theta the forward stores θ position-major
+           ([Bt, H, Sp, Tp]) and a head's tile is a plain load;
   Q, K     and the raw angles: XLA transposes them to position-major before the launch (the group
            rows are small; the angles are [Bt, Tp, Sp] when shared by the heads, the model's case).
            Transposing them in the kernel instead made Triton keep the biased rows in the transposed
            register layout and convert the products with them inside the head loop.
   outputs  dQ, dK are transposed in the kernel once per program (after the head loop); the per-head
-           angle gradient (angles per head) is transposed in the kernel per head before its store.
+           angle gradient (angles per head) is transposed in the kernel per head before its store,
+           or with config.position_major_d_angles written position-major (the shared angles' too)
+           and moved back by XLA, inside the sums that consume it.
 Outputs: exactly qk_gradients.py's kernel outputs, which that module finishes.
 Numerics: float32 throughout; the sums over the rows run in another order than in qk_gradients.py,
 and the recomputed θ may differ from the forward's in the last bit (its prefix sum runs along the
@@ -53,15 +56,6 @@ def _prefix_over_columns(x, *, by_matmul, reverse=False):
     return jnp.cumsum(x, axis=1)
 
 
-def _head_cols(grid: layout.GroupGrid, width):
-    """per-head position-major [Bt, G, splits, heads per slice, width, Tp] (dq, dk̃ viewed so): the slice's
-    [heads per slice, width, rows] block."""
-    def index(p):
-        b, c, g, sl = grid.index(p)
-        return b, g, sl, 0, 0, c
-    return pl.BlockSpec((None, None, None, grid.heads_per_slice, width, grid.block_rows), index)
-
-
 def _group_cols(grid: layout.GroupGrid):
     """[Bt, G, Np, Tp] (Q, K position-major): the block's [Np, rows]."""
     def index(p):
@@ -78,7 +72,7 @@ def _shared_cols(grid: layout.GroupGrid, width):
 def recomputes_theta(geo: ScanGeometry) -> bool:
     """Whether the transposed kernel forms θ itself (each program's block is a whole chunk), so the
     forward need not store it."""
-    return geo.qk_grad_position_major and geo.qk_grad_rows == geo.chunk
+    return geo.qk_grad_position_major and geo.qk_grad_rows == geo.chunk and not geo.theta_position_major
 
 
 def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, dt, theta, dq, dk,
@@ -86,8 +80,9 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
     """The kernel of qk_gradients.query_key_gradients on position-major tiles.
 
     Args: as qk_gradients.query_key_gradients, except dq, dk [Bt, H, Np, Tp] position-major (the chunk
-      launch's position-major output), and θ: the stored [Bt, Tp, H, Sp] angles, or None with
-      theta_entry [Bt, nc, H, Sp] (the chunk-entry angles) when `recomputes_theta(geo)`.
+      launch's position-major output), and θ: the stored angles, [Bt, H, Sp, Tp] when
+      `geo.theta_position_major`, else [Bt, Tp, H, Sp], or None with theta_entry [Bt, nc, H, Sp] (the
+      chunk-entry angles) when `recomputes_theta(geo)`.
 
     Returns the kernel's outputs by name in qk_gradients.py's layouts (dQ, dK [Bt, Tp, G, splits, Np],
     d_scale, the bias and dθ_entry partials, d angles, d DT), which that module sums and finishes.
@@ -99,6 +94,8 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
     recompute = rotated and theta is None
     if recompute and not recomputes_theta(geo):
         raise ValueError("query_key_gradients_transposed: θ can be recomputed only when a block is a whole chunk")
+    theta_cols = theta is not None and geo.theta_position_major
+    d_angles_cols = geo.config.position_major_d_angles
     with_diagonal = d_diagonal is not None
     by_matmul = geo.angle_sums_by_matmul
 
@@ -123,6 +120,8 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
                     inc = rate_j * dt_j
                     theta_j = wrap_angle(refs["theta_entry"][j, :][:, None]
                                          + _prefix_over_columns(inc, by_matmul=by_matmul))
+                elif theta_cols:
+                    theta_j = refs["theta"][j]
                 else:
                     theta_j = refs["theta"][:, j, :].T
                 rotation = rotation_of(theta_j, geo, backward=True)                             # [Sp, rows]
@@ -159,6 +158,8 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
                 refs["d_dt"][:, j] = jnp.sum(d_inc * rate_j, axis=0)
                 if shared_angles:
                     d_rate_sum = d_rate_sum + d_inc * dt_j
+                elif d_angles_cols:
+                    refs["d_angles"][j] = d_inc * dt_j * slope_j
                 else:
                     refs["d_angles"][:, j, :] = (d_inc * dt_j * slope_j).T
                 refs["d_theta_entry"][j, :] = jnp.sum(d_angle, axis=1)
@@ -169,7 +170,8 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
         dq_sum, dk_sum, d_rate_sum = jax.lax.fori_loop(0, grid.heads_per_slice, head_step,
                                                        (zeros, dict(zeros), rate_zeros))
         if shared_angles:
-            refs["d_angles"][...] = (d_rate_sum * angle_rate_and_slope(refs["angles"][...])[1]).T
+            d_rate = d_rate_sum * angle_rate_and_slope(refs["angles"][...])[1]
+            refs["d_angles"][...] = d_rate if d_angles_cols else d_rate.T
         for n, start, width in pieces:
             refs["dQ"][:, pl.ds(start, width)] = dq_sum[n].T
             refs["dK"][:, pl.ds(start, width)] = dk_sum[n].T
@@ -177,14 +179,15 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
     bsz, _, G, Np = Q.shape
     Sp = geo.angle_width
     slices = (G, grid.splits, grid.heads_per_slice)
-    per_slice = lambda x: x.reshape((bsz,) + slices + x.shape[2:])     # [Bt, H, w, Tp] -> [Bt, G, sl, hps, w, Tp] (free)
+    per_slice = grid.per_slice_cols                                      # [Bt, H, w, Tp] -> [Bt, G, sl, hps, w, Tp] (free)
     positions_last = lambda x: jnp.moveaxis(x, 1, 3)                    # [Bt, Tp, G or H, w] -> [Bt, G or H, w, Tp]
     inputs = [("Q", positions_last(Q), _group_cols(grid)), ("K", positions_last(K), _group_cols(grid)),
               ("Q_bias", Q_bias.reshape(slices + (Np,)), grid.biases()),
               ("K_bias", K_bias.reshape(slices + (Np,)), grid.biases()),
               ("scale", grid.per_head(scale), grid.head_scalars()),
-              ("dq", per_slice(dq), _head_cols(grid, Np)), ("dk", per_slice(dk), _head_cols(grid, Np)),
-              ("theta", None if theta is None else grid.per_head(theta), grid.head_rows(Sp)),
+              ("dq", per_slice(dq), grid.head_cols(Np)), ("dk", per_slice(dk), grid.head_cols(Np)),
+              ("theta",) + ((None, None) if theta is None else (per_slice(theta), grid.head_cols(Sp)) if theta_cols
+                            else (grid.per_head(theta), grid.head_rows(Sp))),
               ("theta_entry", grid.per_head(theta_entry) if recompute else None, grid.per_chunk(Sp)),
               ("d_diagonal", None if d_diagonal is None else grid.per_head(d_diagonal.astype(F32)),
                grid.head_scalars())]
@@ -192,11 +195,19 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
         if shared_angles:          # [Bt, Tp, 1, Sp] -> [Bt, Sp, Tp]
             inputs.append(("angles", jnp.swapaxes(angles[:, :, 0], 1, 2), _shared_cols(grid, Sp)))
         else:                      # [Bt, Tp, H, Sp] -> [Bt, H, Sp, Tp]
-            inputs.append(("angles", per_slice(positions_last(angles)), _head_cols(grid, Sp)))
+            inputs.append(("angles", per_slice(positions_last(angles)), grid.head_cols(Sp)))
         inputs.append(("dt", grid.per_head(dt), grid.head_scalars()))
     outputs = kernel_outputs(grid, bsz, G, rotated=rotated, shared_angles=shared_angles, biases=True)
-    return layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients_t",
-                         geo.config.num_warps_qk_grad)
+    if rotated and d_angles_cols:      # [Bt, G, sl, (hps,) Sp, Tp]: moved back to kernel_outputs' layout below
+        d_angles = ((bsz, G, grid.splits, Sp, geo.padded_seqlen), grid.slice_cols(Sp)) if shared_angles else \
+            ((bsz,) + slices + (Sp, geo.padded_seqlen), grid.head_cols(Sp))
+        outputs = [("d_angles", jax.ShapeDtypeStruct(d_angles[0], F32), d_angles[1]) if name == "d_angles"
+                   else (name, shape, spec) for name, shape, spec in outputs]
+    out = layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients_t",
+                        geo.config.num_warps_qk_grad)
+    if rotated and d_angles_cols:
+        out["d_angles"] = jnp.moveaxis(out["d_angles"], -1, 1)
+    return out
 
 
 def kernel_outputs(grid: layout.GroupGrid, bsz, G, *, rotated, shared_angles, biases):

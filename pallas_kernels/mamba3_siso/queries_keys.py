@@ -128,7 +128,8 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, ang
     for `head_queries_keys`. θ, the wrapped angle at every position, is written for the backward
     (qk_gradients.py), which then needs no in-chunk prefix sum of its own; with keep_theta=False it is
     not written (None is returned: the forward alone, or a backward that forms θ itself,
-    qk_gradients_transposed.py).
+    qk_gradients_transposed.py). With `geo.theta_position_major` θ is written position-major,
+    [Bt, H, Sp, Tp] (each head's tile transposed before its store), for that kernel to load.
     """
     grid = layout.GroupGrid(geo)
     pieces = geo.pieces
@@ -137,6 +138,7 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, ang
     rotated = angles is not None
     shared_angles = rotated and angles.shape[2] == 1
     keep_theta = keep_theta and rotated
+    theta_cols = geo.theta_position_major
 
     def body(refs):
         rows = {p: {n: refs[p][:, pl.ds(start, width)].astype(F32) for n, start, width in pieces} for p in "QK"}
@@ -149,7 +151,10 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, ang
                 angle = chunk_angles(rate_j * refs["dt"][:, j][:, None], refs["theta_entry"][j, :],
                                      by_matmul=geo.angle_sums_by_matmul)
                 if keep_theta:
-                    refs["theta"][:, j, :] = angle
+                    if theta_cols:
+                        refs["theta"][j] = angle.T
+                    else:
+                        refs["theta"][:, j, :] = angle
                 rotation = rotation_of(angle, geo)
             s = refs["scale"][:, j]
             biased = {p: {n: rows[p][n] + refs[f"{p}_bias"][j, pl.ds(start, width)][None, :]
@@ -179,11 +184,15 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, ang
     per_head = jax.ShapeDtypeStruct((bsz, Tp) + slices, mm)
     outputs = [("q", per_head, grid.head_rows(Np)), ("k", per_head, grid.head_rows(Np)),
                ("diagonal", jax.ShapeDtypeStruct((bsz, Tp) + slices[:-1], F32), grid.head_scalars())]
-    if keep_theta:
-        outputs.append(("theta", jax.ShapeDtypeStruct((bsz, Tp) + slices[:-1] + (geo.angle_width,), F32),
-                        grid.head_rows(geo.angle_width)))
+    Sp = geo.angle_width
+    if keep_theta and theta_cols:
+        outputs.append(("theta", jax.ShapeDtypeStruct((bsz,) + slices[:-1] + (Sp, Tp), F32), grid.head_cols(Sp)))
+    elif keep_theta:
+        outputs.append(("theta", jax.ShapeDtypeStruct((bsz, Tp) + slices[:-1] + (Sp,), F32), grid.head_rows(Sp)))
     out = layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_fwd_queries_keys", geo.config.num_warps_qk)
     H = geo.heads
-    theta = out["theta"].reshape(bsz, Tp, H, geo.angle_width) if keep_theta else None
+    theta = None
+    if keep_theta:
+        theta = out["theta"].reshape((bsz, H, Sp, Tp) if theta_cols else (bsz, Tp, H, Sp))
     return (out["q"].reshape(bsz, Tp, H, Np), out["k"].reshape(bsz, Tp, H, Np), theta,
             out["diagonal"].reshape(bsz, Tp, H))
