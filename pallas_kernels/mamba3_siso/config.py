@@ -88,15 +88,17 @@ class Mamba3ScanConfig:
       transposed_gradient_dots: with the position-major query/key gradients, the chunk-gradient launch
         forms dq, dk̃ transposed by swapping the operands of their dots instead of transposing the
         [L, Np] results before the store (+23 µs per call measured for the latter, session 37).
-        Untimed; off.
+        H100, session 38: train step 73.1 vs 73.5 ms, within the spread; off.
       stored_theta: with the position-major query/key gradients, the forward query/key kernel stores θ
         position-major ([Bt, H, Sp, Tp] float32, each head's [L, Sp] tile transposed before its store)
         and the kernel loads it, instead of recomputing θ from θ_entry (False, the default: no θ
-        stored, measured with shared angles, session 37). With per-head angles the recompute costs
-        a tanh and a prefix sum per head (the kernel was 481 µs against the row-major 414). Untimed.
+        stored, measured with shared angles, session 37). H200, session 38, per-head angles: the
+        kernel 476 → 451 µs with it; off.
       position_major_d_angles: the position-major query/key gradient kernel writes the angles'
-        gradient position-major as well (no transpose in the kernel); XLA transposes it back inside
-        the sums that consume it. Untimed; off.
+        gradient position-major as well (no transpose in the kernel); XLA transposes it back. H200,
+        session 38, per-head angles: the kernel 451 → 332 µs (row-major kernel 410), but XLA's
+        transposes of the angles in and the gradient out added ~90 µs (kernel sum +27 µs); train
+        step (shared angles) unchanged; off.
       bias_gradients_by_xla: the query/key gradient kernel leaves the bias gradients out (their column
         sums over each block's rows are a third of its head loop and 30 of its 43 barriers,
         triton_inspect.py, notes_mamba3_scan.md v15) and XLA forms them from dq, dk̃ and θ in two
