@@ -53,6 +53,8 @@
 # the default config's own error) and of transposed_gradient_dots; time them in the train step (shared angles: the
 # position-major kernel's default case) with E2E3_CFGS="default transposed_gradient_dots=True" e2e3x (m3_profx
 # profiles per-head angles, where the row-major kernel is the default).
+# angle_pass: the GPU tests of Mamba3ScanConfig.angle_gradient_pass and stored_theta / position_major_d_angles
+# (session 38), then the op's profile at both shapes (per-head angles) with and without the angle pass.
 # kq_tests: the GPU tests of Mamba3ScanConfig.keys_with_queries (with state_dot_with_keys, session 34) and of
 # bias_gradients_by_xla (session 35); time them with M3_CFGS="default keys_with_queries=True ..." m3_profx and
 # E2E3_CFGS=keys_with_queries=True e2e3x.
@@ -210,6 +212,10 @@ for s in $stages; do case $s in
   norm_tests)  run gpu_tests_norm 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_add_rms_norm.py -rA ;;
   norm_bench)  run rms_norm_bench 150 python3 benchmarks/bench_rms_norm.py ;;
   norm_ab)     train_steps mamba1 default default+xlanorm ; train_steps mamba3 default default+xlanorm ;;
+  angle_pass)  run gpu_tests_angle_pass 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -k "angle_gradient_pass or position_major_theta" -rA
+               for sh in b8t2048 b32t512; do for cfg in default qk_gradients_transposed=True,angle_gradient_pass=True; do
+                 tag=$(echo "$cfg" | tr '=,' '__'); [ "$cfg" = default ] && cfg=""
+                 run m3_profile_${sh}_per_head_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape $sh --per-head-angles --iters 10 ${cfg:+--scan-config $cfg} ; done; done ;;
   qkt_tests)   run gpu_tests_position_major 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -k "position_major or fast_math or transposed_gradient_dots" -rA ;;
   fm_tests)    run gpu_tests_fast_math 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -k "fast_math or bit_identical" -rA ;;
   fr_tests)    run gpu_tests_finite_rows 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_finite_rows.py -rA ;;

@@ -292,17 +292,20 @@ def test_fast_math_matches_reference(shape, config):
                                                          position_major_d_angles=True)),
     ((2, 50, 4, 1, 16, 8, 4), False, 32, Mamba3ScanConfig(qk_gradients_transposed=True, qk_grad_blocks=2,
                                                           stored_theta=True)),
-    ((2, 37, 4, 2, 8, 3, 2), True, 16, Mamba3ScanConfig(position_major_d_angles=True))],
+    ((2, 37, 4, 2, 8, 3, 2), True, 16, Mamba3ScanConfig(position_major_d_angles=True)),
+    ((2, 37, 4, 2, 8, 3, 2), False, 16, Mamba3ScanConfig(qk_gradients_transposed=True, angle_gradient_pass=True))],
     ids=["per-head-angles-groups", "shared-angles-two-blocks-stored-theta", "no-angles-separate-launches",
          "shared-angles-transposed-dots", "per-head-angles-theta-and-d-angles-position-major",
-         "per-head-angles-two-blocks-theta-position-major", "shared-angles-d-angles-position-major"])
+         "per-head-angles-two-blocks-theta-position-major", "shared-angles-d-angles-position-major",
+         "per-head-angles-angle-gradient-pass"])
 def test_position_major_query_key_gradients_match_reference(shape, shared, chunk_size, config):
     """config.qk_gradients_transposed (the query/key gradient kernel on [width, rows] tiles, dq and dk̃
     written position-major, θ recomputed): every value and cotangent, angles per head and shared, a
     chunk cut into two row blocks (θ then stored by the forward), no angles with dq and dk̃ from
     separate launches, dq and dk̃ formed by transposed dots (transposed_gradient_dots), θ stored
     position-major by the forward (stored_theta; whole chunks and two row blocks per chunk), the
-    angles' gradient written position-major (position_major_d_angles)."""
+    angles' gradient written position-major (position_major_d_angles), and finished by its own kernel
+    with the chunk-entry angles formed inside the core (angle_gradient_pass)."""
     arrays, states = make_inputs(shape, jnp.float32, seed=29)
     if shared:
         arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
@@ -499,6 +502,40 @@ def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits, sh
                 assert g is None, name
             else:
                 assert_close(name, g, w, 4e-6)
+
+
+@pytest.mark.parametrize("bsz,nc,L,H,S", [(2, 3, 16, 3, 5), (1, 1, 32, 2, 8)], ids=["three-chunks-odd-S", "one-chunk"])
+def test_angle_gradient_kernel_and_later_sums_match_their_references(bsz, nc, L, H, S):
+    """entry_angles.angle_gradients (config.angle_gradient_pass's kernel) against its pure-JAX reference,
+    and later_chunk_sums against JAX's VJP of chunk_entry_angles (the transpose it stands for), with the
+    in-chunk part of d inc zero so that only the later chunks' sums reach the angles and DT."""
+    from pallas_kernels.mamba3_siso import entry_angles
+    from pallas_kernels.mamba3_siso.chunk_math import angle_rate
+
+    geo = make_geometry(batch=bsz, seqlen=nc * L, heads=H, groups=1, headdim=16, d_state=2 * S, num_angles=S,
+                        chunk_size=L, has_z=False, matmul_dtype=jnp.float32, io_dtype=jnp.float32, interpret=True)
+    assert geo.chunk == L and geo.n_chunks == nc
+    Sp = geo.angle_width
+    r = np.random.default_rng(5)
+    f = lambda *shape, lo=-2.0, hi=2.0: jnp.asarray(r.uniform(lo, hi, shape), jnp.float32)
+    pad = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, Sp - S)])
+    angles, dt = pad(f(bsz, nc * L, H, S)), f(bsz, nc * L, H, lo=0.01, hi=0.5)
+    d_inc, later = pad(f(bsz, H, nc * L, S)).swapaxes(2, 3), pad(f(bsz, nc, H, S))      # d_inc [Bt, H, Sp, Tp]
+    got = entry_angles.angle_gradients(geo, d_inc, later, angles, dt)
+    want = entry_angles.angle_gradients_reference(geo, d_inc, later, angles, dt)
+    for name, g, w in zip(("d angles", "d DT"), got, want):
+        assert_close(name, g, w, 2e-6)
+    # later_chunk_sums is the transpose of chunk_entry_angles: with d inc = 0, the pass gives exactly
+    # JAX's VJP of chunk_entry_angles ∘ π·tanh at the same cotangents
+    angle0 = pad(f(bsz, H, S, lo=0.0, hi=6.0))
+    d_entry, d_final = pad(f(bsz, nc, H, S)), pad(f(bsz, H, S))
+    _, vjp = jax.vjp(lambda a, t, a0: entry_angles.chunk_entry_angles(geo, angle_rate(a), t, a0), angles, dt, angle0)
+    want_angles, want_dt, want_angle0 = vjp((d_entry, d_final))
+    later, d_angle0 = entry_angles.later_chunk_sums(d_entry, d_final)
+    got_angles, got_dt = entry_angles.angle_gradients(geo, jnp.zeros_like(d_inc), later, angles, dt)
+    for name, g, w in (("d angles", got_angles, want_angles), ("d DT", got_dt, want_dt),
+                       ("d angle0", d_angle0, want_angle0)):
+        assert_close(name, g, w, 2e-6)
 
 
 def test_vmap_jit_and_checkpoint_gradients_match_reference():
@@ -910,6 +947,15 @@ def test_gpu_position_major_theta_and_d_angles_match_reference():
     arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=32)
     check_no_less_accurate(arrays, states, 64, 2.5e-2, Mamba3ScanConfig(
         qk_gradients_transposed=True, stored_theta=True, position_major_d_angles=True))
+
+
+@pytest.mark.gpu
+def test_gpu_angle_gradient_pass_matches_reference():
+    """config.angle_gradient_pass (the chunk-entry angles inside the core, the angle gradients finished
+    by their own kernel) at the benchmark shape with per-head angles (the op benchmark's)."""
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=33)
+    check_no_less_accurate(arrays, states, 64, 2.5e-2, Mamba3ScanConfig(qk_gradients_transposed=True,
+                                                                        angle_gradient_pass=True))
 
 
 @pytest.mark.gpu

@@ -99,6 +99,15 @@ class Mamba3ScanConfig:
         session 38, per-head angles: the kernel 451 → 332 µs (row-major kernel 410), but XLA's
         transposes of the angles in and the gradient out added ~90 µs (kernel sum +27 µs); train
         step (shared angles) unchanged; off.
+      angle_gradient_pass: per-head angles only, with the position-major query/key gradient kernel and
+        whole chunks per program: the angles' and DT's gradients are finished by one more small kernel
+        (entry_angles.angle_gradients) instead of the gradient kernel and XLA. The core then forms the
+        chunk-entry angles itself (entry_angles.chunk_entry_angles inside its custom VJP), the forward
+        stores θ position-major (as stored_theta), the gradient kernel reads no angles and writes the
+        in-chunk reverse sums of dθ position-major, and the pass adds the later chunks' sums, applies
+        the tanh's slope and DT, and writes d angles row-major and d DT: no transposes and no angle
+        glue in XLA. Untimed; off.
+      num_warps_angle_pass: Triton warps of that kernel.
       bias_gradients_by_xla: the query/key gradient kernel leaves the bias gradients out (their column
         sums over each block's rows are a third of its head loop and 30 of its 43 barriers,
         triton_inspect.py, notes_mamba3_scan.md v15) and XLA forms them from dq, dk̃ and θ in two
@@ -248,6 +257,8 @@ class Mamba3ScanConfig:
     transposed_gradient_dots: bool = False
     stored_theta: bool = False
     position_major_d_angles: bool = False
+    angle_gradient_pass: bool = False
+    num_warps_angle_pass: int = 4
     qk_head_splits: int = 1
     num_stages: int = 1
     min_width: int = 16
@@ -277,7 +288,7 @@ class Mamba3ScanConfig:
 
     def validate(self) -> "Mamba3ScanConfig":
         for name in ("state_block_p", "walk_block_p", "num_warps_walk", "num_warps_state", "num_warps_local", "num_warps_chunk", "num_warps_grad",
-                     "num_warps_qk", "num_warps_qk_grad", "num_warps_head_grad", "qk_grad_blocks", "min_width", "min_chunk",
+                     "num_warps_qk", "num_warps_qk_grad", "num_warps_head_grad", "num_warps_angle_pass", "qk_grad_blocks", "min_width", "min_chunk",
                      "max_chunk", "projection_row_splits", "num_warps_projection", "num_warps_projection_grad"):
             v = getattr(self, name)
             if not is_power_of_2(v):
@@ -287,7 +298,8 @@ class Mamba3ScanConfig:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be >= 16 (Triton's dots need every dimension >= 16), "
                                  f"got {getattr(self, name)!r}")
         for name in ("num_warps_state", "num_warps_walk", "num_warps_local", "num_warps_chunk", "num_warps_grad", "num_warps_qk",
-                     "num_warps_qk_grad", "num_warps_head_grad", "num_warps_projection", "num_warps_projection_grad"):
+                     "num_warps_qk_grad", "num_warps_head_grad", "num_warps_projection", "num_warps_projection_grad",
+                     "num_warps_angle_pass"):
             if getattr(self, name) > 32:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be <= 32 (Triton's limit), got {getattr(self, name)!r}")
         for name in ("num_warps_values", "num_warps_adjoint_walk"):
@@ -320,7 +332,7 @@ class Mamba3ScanConfig:
         if self.stored_for_keys is True and not self.stored_scores:
             raise ValueError("Mamba3ScanConfig.stored_for_keys=True needs stored_scores=True")
         for name in ("adt_in_values", "keys_with_queries", "state_dot_with_keys", "bias_gradients_by_xla", "transposed_gradient_dots", "stored_theta",
-                     "position_major_d_angles", "rotate_in_chunk_gradients", "skip_in_scores",
+                     "position_major_d_angles", "angle_gradient_pass", "rotate_in_chunk_gradients", "skip_in_scores",
                      "fast_rotation", "fast_math", "fuse_qk_norm", "fuse_projection"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")
@@ -431,7 +443,15 @@ class ScanGeometry:
     def theta_position_major(self) -> bool:
         """Whether the forward stores θ position-major for the position-major query/key gradient kernel
         (config.stored_theta; never with rotate_in_chunk_gradients, whose launch reads θ row-major)."""
-        return (self.qk_grad_position_major and self.config.stored_theta and self.num_angles > 0
+        return (self.qk_grad_position_major and (self.config.stored_theta or self.angle_pass)
+                and self.num_angles > 0 and not self.config.rotate_in_chunk_gradients)
+
+    @property
+    def angle_pass(self) -> bool:
+        """config.angle_gradient_pass where it applies: per-head angles, the position-major query/key
+        gradient kernel on whole chunks, no rotation in the chunk-gradient launches."""
+        return (self.config.angle_gradient_pass and self.num_angles > 0 and not self.shared_angles
+                and self.qk_grad_position_major and self.qk_grad_rows == self.chunk
                 and not self.config.rotate_in_chunk_gradients)
 
     @property

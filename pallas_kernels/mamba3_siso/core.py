@@ -44,7 +44,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.common.dtypes import F32
 from pallas_kernels.mamba3_siso import chunk_backward, chunk_forward, state_passes
+from pallas_kernels.mamba3_siso.chunk_math import angle_rate
 from pallas_kernels.mamba3_siso.config import ScanGeometry
+from pallas_kernels.mamba3_siso.entry_angles import angle_gradients, chunk_entry_angles, later_chunk_sums
 from pallas_kernels.mamba3_siso.head_gradients import fuses_rotation, head_query_key_gradients
 from pallas_kernels.mamba3_siso.qk_gradients import query_key_gradients
 from pallas_kernels.mamba3_siso.qk_gradients_transposed import recomputes_theta
@@ -147,3 +149,40 @@ def _core_bwd(geo, residuals, cotangents):
 
 
 chunked_core.defvjp(_core_fwd, _core_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def chunked_core_with_angles(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, dt, angle0, v, z, adt, gamma,
+                             s0, D):
+    """`chunked_core` that forms the chunk-entry angles itself (config.angle_gradient_pass, geo.angle_pass):
+    angle0 [Bt, H, Sp] float32, the angle entering the window, replaces theta_entry, and a third output
+    θ_final [Bt, H, Sp] is returned. Why inside one custom VJP: the backward then knows the later
+    chunks' sums of dθ when it finishes the angle gradients, so one small kernel
+    (entry_angles.angle_gradients) writes d angles and d DT, with no XLA pass over the per-head angles
+    to add them (other arguments and outputs as chunked_core)."""
+    theta_entry, theta_final = chunk_entry_angles(geo, angle_rate(angles), dt, angle0)
+    out, final, _ = _forward(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D)
+    return out, final, theta_final
+
+
+def _with_angles_fwd(geo, Q, K, Q_bias, K_bias, scale, angles, dt, angle0, v, z, adt, gamma, s0, D):
+    if not geo.angle_pass:
+        raise ValueError("chunked_core_with_angles runs only where config.angle_gradient_pass applies (geo.angle_pass)")
+    theta_entry, theta_final = chunk_entry_angles(geo, angle_rate(angles), dt, angle0)
+    (out, final), residuals = _core_fwd(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma,
+                                        s0, D)
+    return (out, final, theta_final), residuals
+
+
+def _with_angles_bwd(geo, residuals, cotangents):
+    d_out, d_final, d_theta_final = cotangents
+    grads = list(_core_bwd(geo, residuals, (d_out, d_final)))
+    angles, dt = residuals[5], residuals[6]
+    d_inc, d_entry = grads[5], grads[7]          # the in-chunk sums of dθ (position-major), Σ dθ per chunk
+    later, d_angle0 = later_chunk_sums(d_entry, d_theta_final.astype(F32))
+    grads[5], grads[6] = angle_gradients(geo, d_inc, later, angles, dt)
+    grads[7] = d_angle0
+    return tuple(grads)
+
+
+chunked_core_with_angles.defvjp(_with_angles_fwd, _with_angles_bwd)

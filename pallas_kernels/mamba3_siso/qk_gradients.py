@@ -69,7 +69,8 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
     Returns:
       (dQ, dK [Bt, Tp, G, Np] float32, dQ_bias, dK_bias [H, Np] float32, d_scale [Bt, Tp, H] float32,
        d_angles (angles' shape), d_dt [Bt, Tp, H] and d_theta_entry [Bt, nc, H, Sp] float32, or all three
-       None).
+       None). With `geo.angle_pass` (config.angle_gradient_pass) d_angles is the in-chunk reverse sums of
+       dθ, position-major [Bt, H, Sp, Tp], and d_dt is None: entry_angles.angle_gradients finishes them.
     """
     grid = layout.GroupGrid(geo, rows=geo.qk_grad_rows)
     pieces = geo.pieces
@@ -167,7 +168,10 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
                             geo.config.num_warps_qk_grad)
 
     d_angles = d_dt = d_entry = None
-    if rotated:
+    if rotated and geo.angle_pass:      # the in-chunk sums of dθ, [Bt, H, Sp, Tp]: entry_angles.angle_gradients
+        d_angles = out["d_inc"].reshape(bsz, H, Sp, Tp)
+        d_entry = out["d_theta_entry"].reshape(bsz, nc, H, Sp)
+    elif rotated:
         d_angles = (out["d_angles"].sum(axis=(2, 3))[:, :, None] if shared_angles
                     else out["d_angles"].reshape(bsz, Tp, H, Sp))
         d_dt = out["d_dt"].reshape(bsz, Tp, H)

@@ -25,7 +25,9 @@ Where the tiles come from:
   outputs  dQ, dK are transposed in the kernel once per program (after the head loop); the per-head
            angle gradient (angles per head) is transposed in the kernel per head before its store,
            or with config.position_major_d_angles written position-major (the shared angles' too)
-           and moved back by XLA, inside the sums that consume it.
+           and moved back by XLA, inside the sums that consume it. With config.angle_gradient_pass
+           (per-head angles) the kernel reads neither the angles nor DT and writes the in-chunk
+           reverse sums of dθ position-major instead of d angles and d DT (entry_angles.py finishes).
 Outputs: exactly qk_gradients.py's kernel outputs, which that module finishes.
 Numerics: float32 throughout; the sums over the rows run in another order than in qk_gradients.py,
 and the recomputed θ may differ from the forward's in the last bit (its prefix sum runs along the
@@ -96,6 +98,9 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
         raise ValueError("query_key_gradients_transposed: θ can be recomputed only when a block is a whole chunk")
     theta_cols = theta is not None and geo.theta_position_major
     d_angles_cols = geo.config.position_major_d_angles
+    angle_pass = rotated and geo.angle_pass     # d inc out, no angles or DT in: entry_angles.angle_gradients finishes
+    if angle_pass and not theta_cols:
+        raise ValueError("query_key_gradients_transposed: the angle gradient pass needs θ stored position-major")
     with_diagonal = d_diagonal is not None
     by_matmul = geo.angle_sums_by_matmul
 
@@ -114,8 +119,10 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
             dq_sum, dk_sum, d_rate_sum = sums
             rotation = None
             if rotated:
-                dt_j = refs["dt"][:, j][None, :]                                                  # [1, rows]
-                rate_j, slope_j = (shared_rate, None) if shared_angles else angle_rate_and_slope(refs["angles"][j, :, :])
+                if not angle_pass:
+                    dt_j = refs["dt"][:, j][None, :]                                              # [1, rows]
+                    rate_j, slope_j = ((shared_rate, None) if shared_angles
+                                       else angle_rate_and_slope(refs["angles"][j, :, :]))
                 if recompute:
                     inc = rate_j * dt_j
                     theta_j = wrap_angle(refs["theta_entry"][j, :][:, None]
@@ -155,13 +162,16 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
             if rotated:
                 d_angle = angle_gradient(dq_h, x, rotation) + s * angle_gradient(dk_h, y, rotation)  # [Sp, rows]
                 d_inc = _prefix_over_columns(d_angle, by_matmul=by_matmul, reverse=True)
-                refs["d_dt"][:, j] = jnp.sum(d_inc * rate_j, axis=0)
-                if shared_angles:
-                    d_rate_sum = d_rate_sum + d_inc * dt_j
-                elif d_angles_cols:
-                    refs["d_angles"][j] = d_inc * dt_j * slope_j
+                if angle_pass:
+                    refs["d_inc"][j] = d_inc
                 else:
-                    refs["d_angles"][:, j, :] = (d_inc * dt_j * slope_j).T
+                    refs["d_dt"][:, j] = jnp.sum(d_inc * rate_j, axis=0)
+                    if shared_angles:
+                        d_rate_sum = d_rate_sum + d_inc * dt_j
+                    elif d_angles_cols:
+                        refs["d_angles"][j] = d_inc * dt_j * slope_j
+                    else:
+                        refs["d_angles"][:, j, :] = (d_inc * dt_j * slope_j).T
                 refs["d_theta_entry"][j, :] = jnp.sum(d_angle, axis=1)
             return dq_sum, dk_sum, d_rate_sum
 
@@ -191,21 +201,25 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
               ("theta_entry", grid.per_head(theta_entry) if recompute else None, grid.per_chunk(Sp)),
               ("d_diagonal", None if d_diagonal is None else grid.per_head(d_diagonal.astype(F32)),
                grid.head_scalars())]
-    if rotated:
+    if rotated and not angle_pass:
         if shared_angles:          # [Bt, Tp, 1, Sp] -> [Bt, Sp, Tp]
             inputs.append(("angles", jnp.swapaxes(angles[:, :, 0], 1, 2), _shared_cols(grid, Sp)))
         else:                      # [Bt, Tp, H, Sp] -> [Bt, H, Sp, Tp]
             inputs.append(("angles", per_slice(positions_last(angles)), grid.head_cols(Sp)))
         inputs.append(("dt", grid.per_head(dt), grid.head_scalars()))
     outputs = kernel_outputs(grid, bsz, G, rotated=rotated, shared_angles=shared_angles, biases=True)
-    if rotated and d_angles_cols:      # [Bt, G, sl, (hps,) Sp, Tp]: moved back to kernel_outputs' layout below
+    if angle_pass:                     # d inc [Bt, G, sl, hps, Sp, Tp] instead of d angles and d DT
+        outputs = [(name, shape, spec) for name, shape, spec in outputs if name not in ("d_angles", "d_dt")]
+        outputs.append(("d_inc", jax.ShapeDtypeStruct((bsz,) + slices + (Sp, geo.padded_seqlen), F32),
+                        grid.head_cols(Sp)))
+    elif rotated and d_angles_cols:      # [Bt, G, sl, (hps,) Sp, Tp]: moved back to kernel_outputs' layout below
         d_angles = ((bsz, G, grid.splits, Sp, geo.padded_seqlen), grid.slice_cols(Sp)) if shared_angles else \
             ((bsz,) + slices + (Sp, geo.padded_seqlen), grid.head_cols(Sp))
         outputs = [("d_angles", jax.ShapeDtypeStruct(d_angles[0], F32), d_angles[1]) if name == "d_angles"
                    else (name, shape, spec) for name, shape, spec in outputs]
     out = layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_bwd_query_key_gradients_t",
                         geo.config.num_warps_qk_grad)
-    if rotated and d_angles_cols:
+    if rotated and d_angles_cols and not angle_pass:
         out["d_angles"] = jnp.moveaxis(out["d_angles"], -1, 1)
     return out
 

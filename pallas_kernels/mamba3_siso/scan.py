@@ -38,13 +38,13 @@ import jax.numpy as jnp
 
 from pallas_kernels.common.dtypes import F32, is_sixteen_bit_float
 from pallas_kernels.common.padding import pad_axis_to
-from pallas_kernels.mamba3_siso.chunk_math import TWO_PI, angle_rate
+from pallas_kernels.mamba3_siso.chunk_math import angle_rate
 from pallas_kernels.mamba3_siso.config import Mamba3ScanConfig, ScanGeometry, make_geometry
-from pallas_kernels.mamba3_siso.core import chunked_core
+from pallas_kernels.mamba3_siso.core import chunked_core, chunked_core_with_angles
+from pallas_kernels.mamba3_siso.entry_angles import chunk_entry_angles
 from pallas_kernels.mamba3_siso.qk_norm import normalized_kernel_layout
 from pallas_kernels.mamba3_siso.queries_keys import from_kernel_layout, to_kernel_layout
 
-HI = jax.lax.Precision.HIGHEST
 
 
 def matmul_dtype(Q, K, V):
@@ -88,9 +88,10 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, dt, angl
     if S:
         dt = _pad_time(geo, dt.astype(F32))                                  # [Bt, Tp, H]
         angles = _pad_time(geo, angles.astype(F32))                          # zero padding: tanh(0) = 0
-        theta_entry, theta_final = chunk_entry_angles(geo, angle_rate(angles), dt, angle0)
+        if not geo.angle_pass:                                               # else the core forms them
+            theta_entry, theta_final = chunk_entry_angles(geo, angle_rate(angles), dt, angle0)
+            theta_entry = pad_axis_to(theta_entry, 3, geo.angle_width)      # [Bt, nc, H, Sp]
         angles = pad_axis_to(angles, 3, geo.angle_width)                     # [Bt, Tp, 1 or H, Sp]
-        theta_entry = pad_axis_to(theta_entry, 3, geo.angle_width)          # [Bt, nc, H, Sp]
     else:
         angles = dt = None
     if qk_norm is None:
@@ -98,48 +99,30 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, dt, angl
     else:
         Q_weight, K_weight, eps = qk_norm
         Qk, Kk = normalized_kernel_layout(geo, _pad_time(geo, Q), _pad_time(geo, K), Q_weight, K_weight, eps)
-    out, final = _run_core(geo, Qk, Kk, Q_bias, K_bias, _pad_time(geo, scale), angles, dt, theta_entry, V, Z,
-                           _pad_time(geo, ADT.astype(F32)), _pad_time(geo, gamma.astype(F32)), s0, D)
+    core_args = (geo, Qk, Kk, Q_bias, K_bias, _pad_time(geo, scale), angles, dt, theta_entry, V, Z,
+                 _pad_time(geo, ADT.astype(F32)), _pad_time(geo, gamma.astype(F32)), s0, D)
+    if S and geo.angle_pass:
+        out, final, theta_final = _run_core(*core_args, angle0=pad_axis_to(angle0.astype(F32), 2, geo.angle_width))
+        theta_final = theta_final[..., :S]
+    else:
+        out, final = _run_core(*core_args)
     result = out[:, :T, :, :P], from_kernel_layout(geo, final[:, :, :P]), theta_final
     if qk_norm is not None:
         result += (from_kernel_layout(geo, Kk[:, T - 1].astype(F32)),)
     return result
 
 
-def chunk_entry_angles(geo: ScanGeometry, rate, dt, angle0):
-    """(θ entering each chunk [Bt, nc, H, S], final θ [Bt, H, S]), wrapped into [0, 2π).
-
-    rate [Bt, Tp, 1 or H, S] = π·tanh(angles), dt [Bt, Tp, H] (time-padded with zeros): the increments
-    are rate·dt (XLA fuses the tanh into the chunk sums: the rate is not materialized).
-    Each chunk's sum of increments (a contraction over the chunk's positions, float32
-    Precision.HIGHEST: no [Bt, T, H, S] array) is wrapped first (so every term is in [0, 2π)), then one
-    triangular matmul (float32, Precision.HIGHEST) forms the exclusive prefix sums over chunks, which
-    are wrapped again: one small XLA kernel instead of a scan. The prefix sums stay below nc·2π, so
-    the carried angle loses at most ~nc·2π·2^-24 rad (4e-5 rad at nc = 128) to rounding.
-    """
-    bsz, _, Hr, S = rate.shape
-    H, nc, L = dt.shape[-1], geo.n_chunks, geo.chunk
-    rate, dt = rate.reshape(bsz, nc, L, Hr, S), dt.reshape(bsz, nc, L, H)
-    if Hr == 1:
-        sums = jnp.einsum("bcls,bclh->bchs", rate[:, :, :, 0], dt, precision=HI)
-    else:
-        sums = jnp.sum(rate * dt[..., None], axis=2)
-    sums = jnp.mod(sums, TWO_PI)                                                               # [Bt, nc, H, S]
-    # [θ_{-1}, sum_0, ..., sum_{nc-1}]: row c of `before` adds θ_{-1} and the sums of the chunks before c
-    terms = jnp.concatenate([angle0[:, None], sums], axis=1)                                      # [Bt, nc+1, H, S]
-    before = jnp.tril(jnp.ones((nc + 1, nc + 1), F32))
-    running = jnp.mod(jnp.einsum("ck,bkhs->bchs", before, terms, precision=HI), TWO_PI)
-    return running[:, :-1], running[:, -1]
-
-
-def _run_core(geo: ScanGeometry, Qk, Kk, Q_bias, K_bias, scale, angles, dt, theta_entry, V, Z, adt, gamma, s0, D):
+def _run_core(geo: ScanGeometry, Qk, Kk, Q_bias, K_bias, scale, angles, dt, theta_entry, V, Z, adt, gamma, s0, D,
+              angle0=None):
     """`chunked_core` on operands whose per-position arrays are already time-padded (Qk, Kk in the kernel
     layout): the biases and s0 laid out, V, Z padded (time, headdim), D zeros when None. Returns (out
-    [Bt, Tp, H, Pp], final state [Bt, H, Pp, Np]) as the core does."""
+    [Bt, Tp, H, Pp], final state [Bt, H, Pp, Np]) as the core does; with angle0 ([Bt, H, Sp], theta_entry
+    None) `chunked_core_with_angles`, and θ_final [Bt, H, Sp] third."""
     H = V.shape[2]
-    return chunked_core(
+    core, entry = (chunked_core, theta_entry) if angle0 is None else (chunked_core_with_angles, angle0)
+    return core(
         geo, Qk, Kk, to_kernel_layout(geo, Q_bias.astype(F32)), to_kernel_layout(geo, K_bias.astype(F32)),
-        scale, angles, dt, theta_entry,
+        scale, angles, dt, entry,
         _pad_headdim(geo, _pad_time(geo, V)), None if Z is None else _pad_headdim(geo, _pad_time(geo, Z)),
         adt, gamma,      # zero time padding: ADT = 0 is the identity decay
         _pad_headdim(geo, to_kernel_layout(geo, s0), axis=2),
