@@ -1,7 +1,7 @@
 """The RoPE angles across chunks: the angle entering each chunk, and (Mamba3ScanConfig.angle_gradient_pass)
 the kernel that finishes the angles' and DT's gradients.
 
-Per head h and angle a, with the increment inc_t = π·tanh(angles_t)·DT_t (docs/mamba3_siso.md §3.3):
+Per head h and angle a, with the increment inc_t = π·tanh(angles_t)·DT_t (docs/mamba3_siso.md §4.2):
 
     θ_t = (θ_{-1} + Σ_{r <= t} inc_r) mod 2π,   θ_entry[c] = θ at the last position before chunk c.
 
