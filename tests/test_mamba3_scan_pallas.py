@@ -309,6 +309,11 @@ def test_position_major_query_key_gradients_match_reference(shape, shared, chunk
     arrays, states = make_inputs(shape, jnp.float32, seed=29)
     if shared:
         arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
+    if config.angle_gradient_pass:     # the path is on at this shape (not a silent fallback)
+        bsz, T, H, G, N, P, S = shape
+        assert make_geometry(batch=bsz, seqlen=T, heads=H, groups=G, headdim=P, d_state=N, num_angles=S,
+                             chunk_size=chunk_size, has_z=True, matmul_dtype=jnp.float32, io_dtype=jnp.float32,
+                             config=config).angle_pass
     check_against_reference(arrays, states, chunk_size, 2e-5, config)
 
 
@@ -634,6 +639,21 @@ def test_kernels_lower_to_triton_for_h200(shape, dtype, with_z, config, launches
     assert text.count("__gpu$xla.gpu.triton") == launches
 
 
+@pytest.mark.parametrize("config,launches", [
+    (Mamba3ScanConfig(qk_gradients_transposed=True, angle_gradient_pass=True), 8),
+    (Mamba3ScanConfig(qk_gradients_transposed=True, stored_theta=True, position_major_d_angles=True), 7)],
+    ids=["angle-gradient-pass", "theta-and-d-angles-position-major"])
+def test_position_major_angle_options_lower_for_h200(config, launches):
+    """Per-head angles on the position-major query/key gradient kernel: with angle_gradient_pass one more
+    launch (entry_angles.angle_gradients); θ and the angle gradient position-major change no count."""
+    shape = (2, 64, 4, 1, 16, 32, 8)
+    geo = make_geometry(batch=2, seqlen=64, heads=4, groups=1, headdim=32, d_state=16, num_angles=8, chunk_size=64,
+                        has_z=True, matmul_dtype=jnp.bfloat16, io_dtype=jnp.bfloat16, config=config)
+    assert geo.angle_pass == config.angle_gradient_pass and geo.theta_position_major
+    text = _lower_for_h200(shape, jnp.bfloat16, config=config)
+    assert text.count("__gpu$xla.gpu.triton") == launches
+
+
 def test_angle_sums_by_matmul_lower_for_h200():
     """Mamba3ScanConfig(angle_sums="matmul"): the triangular dots in both query/key kernels lower."""
     config = Mamba3ScanConfig(angle_sums="matmul", rotate_in_chunk_gradients=False)
@@ -954,8 +974,11 @@ def test_gpu_angle_gradient_pass_matches_reference():
     """config.angle_gradient_pass (the chunk-entry angles inside the core, the angle gradients finished
     by their own kernel) at the benchmark shape with per-head angles (the op benchmark's)."""
     arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=33)
-    check_no_less_accurate(arrays, states, 64, 2.5e-2, Mamba3ScanConfig(qk_gradients_transposed=True,
-                                                                        angle_gradient_pass=True))
+    config = Mamba3ScanConfig(qk_gradients_transposed=True, angle_gradient_pass=True)
+    assert make_geometry(batch=8, seqlen=2048, heads=24, groups=1, headdim=64, d_state=128, num_angles=32,
+                         chunk_size=64, has_z=True, matmul_dtype=jnp.bfloat16, io_dtype=jnp.bfloat16,
+                         config=config).angle_pass
+    check_no_less_accurate(arrays, states, 64, 2.5e-2, config)
 
 
 @pytest.mark.gpu

@@ -89,7 +89,8 @@ class Mamba3ScanConfig:
         forms dq, dk̃ transposed by swapping the operands of their dots instead of transposing the
         [L, Np] results before the store (+23 µs per call measured for the latter, session 37).
         H100, session 38: train step 73.1 vs 73.5 ms, within the spread; off.
-      stored_theta: with the position-major query/key gradients, the forward query/key kernel stores θ
+      stored_theta: with the position-major query/key gradients (for per-head angles only when
+        qk_gradients_transposed=True), the forward query/key kernel stores θ
         position-major ([Bt, H, Sp, Tp] float32, each head's [L, Sp] tile transposed before its store)
         and the kernel loads it, instead of recomputing θ from θ_entry (False, the default: no θ
         stored, measured with shared angles, session 37). H200, session 38, per-head angles: the
@@ -99,8 +100,9 @@ class Mamba3ScanConfig:
         session 38, per-head angles: the kernel 451 → 332 µs (row-major kernel 410), but XLA's
         transposes of the angles in and the gradient out added ~90 µs (kernel sum +27 µs); train
         step (shared angles) unchanged; off.
-      angle_gradient_pass: per-head angles only, with the position-major query/key gradient kernel and
-        whole chunks per program: the angles' and DT's gradients are finished by one more small kernel
+      angle_gradient_pass: per-head angles only, with the position-major query/key gradient kernel (so
+        with qk_gradients_transposed=True: the automatic choice keeps per-head angles row-major, and the
+        knob then does nothing) and whole chunks per program: the angles' and DT's gradients are finished by one more small kernel
         (entry_angles.angle_gradients) instead of the gradient kernel and XLA. The core then forms the
         chunk-entry angles itself (entry_angles.chunk_entry_angles inside its custom VJP), the forward
         stores θ position-major (as stored_theta), the gradient kernel reads no angles and writes the
@@ -442,7 +444,8 @@ class ScanGeometry:
     @property
     def theta_position_major(self) -> bool:
         """Whether the forward stores θ position-major for the position-major query/key gradient kernel
-        (config.stored_theta; never with rotate_in_chunk_gradients, whose launch reads θ row-major)."""
+        (config.stored_theta, or the angle gradient pass; never with rotate_in_chunk_gradients, whose
+        launch reads θ row-major)."""
         return (self.qk_grad_position_major and (self.config.stored_theta or self.angle_pass)
                 and self.num_angles > 0 and not self.config.rotate_in_chunk_gradients)
 

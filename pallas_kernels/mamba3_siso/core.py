@@ -26,9 +26,14 @@ differentiated by JAX): for the padded operands in the kernel layout of config.p
   Partial sums (bias gradients over chunks, dQ and dK over slices of a group's heads) are reduced by
   XLA in a fixed order: deterministic, no atomics.
 
+`chunked_core_with_angles` (config.angle_gradient_pass) is the same core with the chunk-entry angles
+formed inside it and one more backward kernel (entry_angles.angle_gradients) finishing the angles' and
+DT's gradients.
+
 Residuals: the inputs, the per-head q, k̃ (dot operand dtype, [Bt, Tp, H, Np]), ⟨q̄, k̄⟩ ([Bt, Tp, H]
 float32), the wrapped angle
-at every position θ ([Bt, Tp, H, Sp] float32, so the backward forms no forward prefix sum) and the
+at every position θ ([Bt, Tp, H, Sp] float32, or [Bt, H, Sp, Tp] position-major for the position-major
+gradient kernel with stored_theta / angle_gradient_pass; none when that kernel forms θ again) and the
 states entering every chunk
 ([Bt, H, nc, Pp, Np]), and when the config asks (stored_scores, stored_ungated) the chunks' masked
 scores and the ungated output, written by the forward's chunk-output kernel for the values gradient
@@ -116,6 +121,13 @@ def _forward(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, ad
 
 
 def _core_fwd(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D):
+    if geo.angle_pass:
+        raise ValueError("chunked_core: with config.angle_gradient_pass (geo.angle_pass) the core that forms the "
+                         "chunk-entry angles itself, chunked_core_with_angles, must be used")
+    return _core_forward(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D)
+
+
+def _core_forward(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D):
     out, final, (q, k, theta, diagonal, entering, stored) = _forward(
         geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D, for_backward=True)
     return (out, final), (Q, K, Q_bias, K_bias, scale, angles, dt, theta, theta_entry if theta is None else None,
@@ -169,8 +181,8 @@ def _with_angles_fwd(geo, Q, K, Q_bias, K_bias, scale, angles, dt, angle0, v, z,
     if not geo.angle_pass:
         raise ValueError("chunked_core_with_angles runs only where config.angle_gradient_pass applies (geo.angle_pass)")
     theta_entry, theta_final = chunk_entry_angles(geo, angle_rate(angles), dt, angle0)
-    (out, final), residuals = _core_fwd(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma,
-                                        s0, D)
+    (out, final), residuals = _core_forward(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt,
+                                            gamma, s0, D)
     return (out, final, theta_final), residuals
 
 

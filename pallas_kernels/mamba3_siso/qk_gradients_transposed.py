@@ -28,7 +28,8 @@ Where the tiles come from:
            and moved back by XLA, inside the sums that consume it. With config.angle_gradient_pass
            (per-head angles) the kernel reads neither the angles nor DT and writes the in-chunk
            reverse sums of dθ position-major instead of d angles and d DT (entry_angles.py finishes).
-Outputs: exactly qk_gradients.py's kernel outputs, which that module finishes.
+Outputs: exactly qk_gradients.py's kernel outputs, which that module finishes; with the angle gradient
+pass d_inc (the in-chunk reverse sums of dθ, position-major) replaces d angles and d DT.
 Numerics: float32 throughout; the sums over the rows run in another order than in qk_gradients.py,
 and the recomputed θ may differ from the forward's in the last bit (its prefix sum runs along the
 other axis).
@@ -72,8 +73,8 @@ def _shared_cols(grid: layout.GroupGrid, width):
 
 
 def recomputes_theta(geo: ScanGeometry) -> bool:
-    """Whether the transposed kernel forms θ itself (each program's block is a whole chunk), so the
-    forward need not store it."""
+    """Whether the transposed kernel forms θ itself (each program's block is a whole chunk and θ is not
+    stored position-major: stored_theta / angle_gradient_pass), so the forward need not store it."""
     return geo.qk_grad_position_major and geo.qk_grad_rows == geo.chunk and not geo.theta_position_major
 
 
@@ -87,7 +88,8 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
       chunk-entry angles) when `recomputes_theta(geo)`.
 
     Returns the kernel's outputs by name in qk_gradients.py's layouts (dQ, dK [Bt, Tp, G, splits, Np],
-    d_scale, the bias and dθ_entry partials, d angles, d DT), which that module sums and finishes.
+    d_scale, the bias and dθ_entry partials, d angles, d DT; with `geo.angle_pass` d_inc, the in-chunk
+    reverse sums of dθ position-major, instead of d angles and d DT), which that module sums and finishes.
     """
     grid = layout.GroupGrid(geo, rows=geo.qk_grad_rows)
     pieces = geo.pieces

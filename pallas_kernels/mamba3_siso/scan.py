@@ -33,7 +33,6 @@ modules. float64 inputs are not supported (the kernels compute in float32).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common.dtypes import F32, is_sixteen_bit_float
@@ -44,7 +43,6 @@ from pallas_kernels.mamba3_siso.core import chunked_core, chunked_core_with_angl
 from pallas_kernels.mamba3_siso.entry_angles import chunk_entry_angles
 from pallas_kernels.mamba3_siso.qk_norm import normalized_kernel_layout
 from pallas_kernels.mamba3_siso.queries_keys import from_kernel_layout, to_kernel_layout
-
 
 
 def matmul_dtype(Q, K, V):
