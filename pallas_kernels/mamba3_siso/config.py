@@ -102,8 +102,9 @@ class Mamba3ScanConfig:
         step (shared angles) unchanged; off.
       angle_gradient_pass: per-head angles only, with the position-major query/key gradient kernel (so
         with qk_gradients_transposed=True: the automatic choice keeps per-head angles row-major, and the
-        knob then does nothing) and whole chunks per program: the angles' and DT's gradients are finished by one more small kernel
-        (entry_angles.angle_gradients) instead of the gradient kernel and XLA. The core then forms the
+        knob then does nothing) and whole chunks per program: the angles' and DT's gradients are
+        finished by one more small kernel (entry_angles.angle_gradients) instead of the gradient kernel
+        and XLA. The core then forms the
         chunk-entry angles itself (entry_angles.chunk_entry_angles inside its custom VJP), the forward
         stores θ position-major (as stored_theta), the gradient kernel reads no angles and writes the
         in-chunk reverse sums of dθ position-major, and the pass adds the later chunks' sums, applies

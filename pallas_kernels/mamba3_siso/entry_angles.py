@@ -101,14 +101,14 @@ def angle_gradients(geo: ScanGeometry, d_inc, later, angles, dt):
         refs["d_angles"][...] = total * dt_col * slope
         refs["d_dt"][...] = jnp.sum(total * rate, axis=1)
 
-    bch = lambda p: flat.coordinates(p)
-    inputs = [("d_inc", d_inc, pl.BlockSpec((None, None, Sp, L), lambda p: (bch(p)[0], bch(p)[2], 0, bch(p)[1]))),
-              ("later", later, pl.BlockSpec((None, None, None, Sp), lambda p: bch(p) + (0,))),
-              ("angles", angles, pl.BlockSpec((None, L, None, Sp), lambda p: (bch(p)[0], bch(p)[1], bch(p)[2], 0))),
-              ("dt", dt, pl.BlockSpec((None, L, None), lambda p: bch(p)))]
-    outputs = [("d_angles", jax.ShapeDtypeStruct((bsz, Tp, H, Sp), F32),
-                pl.BlockSpec((None, L, None, Sp), lambda p: (bch(p)[0], bch(p)[1], bch(p)[2], 0))),
-               ("d_dt", jax.ShapeDtypeStruct((bsz, Tp, H), F32), pl.BlockSpec((None, L, None), lambda p: bch(p)))]
+    at = flat.coordinates                                                 # p -> (b, c, h)
+    rows = pl.BlockSpec((None, L, None, Sp), lambda p: at(p) + (0,))      # [Bt, Tp, H, Sp]: the chunk's [L, Sp]
+    column = pl.BlockSpec((None, L, None), at)                            # [Bt, Tp, H]: the chunk's [L]
+    inputs = [("d_inc", d_inc, pl.BlockSpec((None, None, Sp, L), lambda p: (at(p)[0], at(p)[2], 0, at(p)[1]))),
+              ("later", later, pl.BlockSpec((None, None, None, Sp), lambda p: at(p) + (0,))),
+              ("angles", angles, rows), ("dt", dt, column)]
+    outputs = [("d_angles", jax.ShapeDtypeStruct((bsz, Tp, H, Sp), F32), rows),
+               ("d_dt", jax.ShapeDtypeStruct((bsz, Tp, H), F32), column)]
     out = run_kernel(body, grid=flat.size, inputs=inputs, outputs=outputs, name="mamba3_siso_bwd_angle_gradients",
                      num_warps=geo.config.num_warps_angle_pass, num_stages=geo.config.num_stages,
                      interpret=geo.interpret)
