@@ -77,7 +77,8 @@
 # per-position ops instead (fuse_projection=False), and with 1 and 4 programs per chunk (notes_mamba3_scan.md v20).
 # m1_keep_tests: the mixer core's kept-activation tests (mixer_residuals="activations") with the real kernels.
 # tests: every -m gpu test (~82, ~7 min on an H100: more than one call's other stages leave room for);
-# tests_m3 / tests_rest split it into the Mamba-3 + mixer-core files (~4 min) and everything else (~4 min).
+# tests_m3 / tests_rest split it into the Mamba-3 + mixer-core files (~4 min) and everything else (~4 min);
+# tests_m3only: the Mamba-3 scan file alone (M3_TESTS_LIMIT seconds, default 300).
 # new_tests: the GPU tests of fast_rotation, the hardware cos/sin and bwd_adjoint_stride in one pytest process.
 # m1_prefetch: the Mamba-1 backward rows loaded a sub-chunk ahead, the default since 2026-12-04 (its GPU
 # test, op sweep, the train step without it; e2e1_pf: that train step alone, log tagged by PF_TAG, for an
@@ -93,7 +94,8 @@
 # as nnx trees, and packed into one buffer per dtype: notes_training_step.md session 31).
 # probe_train / probe_ops: benchmarks/probe_anchor_torch.py, the PyTorch train anchor (PROBE_MODELS, default Mamba3;
 # Mamba1 needs anchors_build's second extension too) with its host issue time, kernel sum and GPU busy time
-# per step, and the host's CPU model (is the anchor bound by the host?).
+# per step, and the host's CPU model (is the anchor bound by the host?); PROBE_LIMIT seconds (default 300; the
+# official Mamba-3 Triton kernels compile for minutes on a fresh machine without a carried Triton cache).
 # pack_logs: every log in $OUT into logs.tgz (the device tool returns at most 8 files).
 # cache_restore / cache_save: the Triton (official kernels) and JAX compilation caches, unpacked from
 # .devcache/*.tgz (git-ignored; carry .devcache) / packed into $OUT (copy them to .devcache for the next call).
@@ -164,6 +166,7 @@ OPT=fused
 for s in $stages; do case $s in
   tests)       run gpu_tests 540 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rA ;;
   tests_m3)    run gpu_tests_m3_and_mixer 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py tests/test_mamba1_mixer_core.py -rA ;;
+  tests_m3only) run gpu_tests_m3 ${M3_TESTS_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -rA --durations=10 ;;
   tests_rest)  run gpu_tests_rest 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rA --ignore=tests/test_mamba3_scan_pallas.py --ignore=tests/test_mamba1_mixer_core.py ;;
   cache_restore) for c in tc jcc; do [ -f .devcache/$c.tgz ] && mkdir -p /tmp/$c && tar xzf .devcache/$c.tgz -C /tmp/$c && echo "restored $c: $(du -sh /tmp/$c | cut -f1)"; done ;;
   cache_save)  for c in tc jcc; do [ -d /tmp/$c ] && tar czf "$OUT/$c.tgz" -C /tmp/$c . && ls -la "$OUT/$c.tgz"; done ;;
@@ -195,7 +198,7 @@ for s in $stages; do case $s in
                  tag=$(echo "$cfg" | tr '=,' '__'); run m3_profile_${sh}_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape $sh --iters 10 --per-head-angles --scan-config $cfg ; done ; done ;
                run m3_walk_gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -k walking -rA ;;
   e2e3_walk)   run e2e_mamba3_split_passes 130 python3 benchmarks/bench_train_step.py --arch mamba3 --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze --scan-config state_passes=split ;;
-  probe_train) wait_ss && { lscpu | grep -E "Model name|^CPU\(s\)|MHz" > "$OUT/host_cpu.txt"; cat "$OUT/host_cpu.txt"; } && run probe_anchor_train 300 python3 benchmarks/probe_anchor_torch.py .anchors /tmp/ab train --models ${PROBE_MODELS:-Mamba3} ;;
+  probe_train) wait_ss && { lscpu | grep -E "Model name|^CPU\(s\)|MHz" > "$OUT/host_cpu.txt"; cat "$OUT/host_cpu.txt"; } && run probe_anchor_train ${PROBE_LIMIT:-300} python3 benchmarks/probe_anchor_torch.py .anchors /tmp/ab train --models ${PROBE_MODELS:-Mamba3} ;;
   probe_ops)   wait_ss && run probe_anchor_ops 240 python3 benchmarks/probe_anchor_torch.py .anchors /tmp/ab ops ;;
   probe_anchor) wait_ss && XLA_PYTHON_CLIENT_PREALLOCATE=false run probe_anchor_op 330 python3 benchmarks/probe_anchor_op.py .anchors /tmp/ab ;;
   pack_logs)   (cd "$OUT" && tar czf logs.tgz *.log && rm -f *.log) ;;

@@ -282,18 +282,21 @@ def test_fast_math_matches_reference(shape, config):
     check_against_reference(arrays, states, 16, 2e-5, config)
 
 
+ANGLE_PASS = Mamba3ScanConfig(qk_gradients_transposed=True, angle_gradient_pass=True)
+
+
 @pytest.mark.parametrize("shape,shared,chunk_size,config", [
-    ((2, 37, 4, 2, 8, 3, 2), False, 16, Mamba3ScanConfig(qk_gradients_transposed=True)),
+    ((2, 37, 4, 2, 8, 3, 2), False, 16, Mamba3ScanConfig(qk_gradients_transposed=True, angle_gradient_pass=False)),
     ((2, 50, 4, 1, 16, 8, 4), True, 32, Mamba3ScanConfig(qk_gradients_transposed=True, qk_grad_blocks=2)),
     ((1, 20, 2, 1, 8, 16, 0), False, 16, Mamba3ScanConfig(qk_gradients_transposed=True, gradient_kernels=3,
                                                           **NOT_STORED)),
     ((2, 37, 4, 2, 8, 3, 2), True, 16, Mamba3ScanConfig(transposed_gradient_dots=True)),
     ((2, 37, 4, 2, 8, 3, 2), False, 16, Mamba3ScanConfig(qk_gradients_transposed=True, stored_theta=True,
-                                                         position_major_d_angles=True)),
+                                                         position_major_d_angles=True, angle_gradient_pass=False)),
     ((2, 50, 4, 1, 16, 8, 4), False, 32, Mamba3ScanConfig(qk_gradients_transposed=True, qk_grad_blocks=2,
                                                           stored_theta=True)),
     ((2, 37, 4, 2, 8, 3, 2), True, 16, Mamba3ScanConfig(position_major_d_angles=True)),
-    ((2, 37, 4, 2, 8, 3, 2), False, 16, Mamba3ScanConfig(qk_gradients_transposed=True, angle_gradient_pass=True))],
+    ((2, 37, 4, 2, 8, 3, 2), False, 16, ANGLE_PASS)],
     ids=["per-head-angles-groups", "shared-angles-two-blocks-stored-theta", "no-angles-separate-launches",
          "shared-angles-transposed-dots", "per-head-angles-theta-and-d-angles-position-major",
          "per-head-angles-two-blocks-theta-position-major", "shared-angles-d-angles-position-major",
@@ -309,12 +312,33 @@ def test_position_major_query_key_gradients_match_reference(shape, shared, chunk
     arrays, states = make_inputs(shape, jnp.float32, seed=29)
     if shared:
         arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
-    if config.angle_gradient_pass:     # the path is on at this shape (not a silent fallback)
+    if config is ANGLE_PASS:     # the path is on at this shape (not a silent fallback)
         bsz, T, H, G, N, P, S = shape
         assert make_geometry(batch=bsz, seqlen=T, heads=H, groups=G, headdim=P, d_state=N, num_angles=S,
                              chunk_size=chunk_size, has_z=True, matmul_dtype=jnp.float32, io_dtype=jnp.float32,
                              config=config).angle_pass
     check_against_reference(arrays, states, chunk_size, 2e-5, config)
+
+
+@pytest.mark.parametrize("num_angles,shared,config,position_major,angle_pass", [
+    (32, False, Mamba3ScanConfig(), True, True),                        # per-head angles: the pass
+    (32, True, Mamba3ScanConfig(), True, False),                        # shared angles (the model's)
+    (32, False, Mamba3ScanConfig(qk_grad_blocks=2), False, False),     # 32-row programs: row-major
+    (32, False, Mamba3ScanConfig(rotate_in_chunk_gradients=True), False, False),
+    (32, False, Mamba3ScanConfig(angle_gradient_pass=False), False, False),
+    (32, False, Mamba3ScanConfig(qk_gradients_transposed=False), False, False),
+    (32, False, Mamba3ScanConfig(bias_gradients_by_xla=True), False, False),
+    (0, False, Mamba3ScanConfig(), False, False)],
+    ids=["per-head", "shared", "two-blocks", "rotate-in-chunks", "pass-off", "row-major-asked", "bias-by-xla",
+         "no-angles"])
+def test_automatic_query_key_gradient_layout(num_angles, shared, config, position_major, angle_pass):
+    """qk_gradients_transposed=None: the position-major kernel for shared angles, and for per-head angles
+    where the angle gradient pass runs (whole chunks per program, no rotation in the chunk launches);
+    the row-major kernel otherwise."""
+    geo = make_geometry(batch=8, seqlen=2048, heads=24, groups=1, headdim=64, d_state=128, num_angles=num_angles,
+                        chunk_size=64, has_z=True, matmul_dtype=jnp.bfloat16, io_dtype=jnp.bfloat16, config=config,
+                        shared_angles=shared)
+    assert (geo.qk_grad_position_major, geo.angle_pass) == (position_major, angle_pass)
 
 
 @pytest.mark.parametrize("config,kernels_gating", [
@@ -447,14 +471,15 @@ def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits, sh
     per head, DT, angles entering the chunks), whole chunks per program or blocks of their rows
     (qk_grad_blocks: the later blocks' angle-gradient totals added outside the kernel); the gradient
     kernel row-major or position-major (qk_gradients_transposed: dq, dk̃ given [Bt, H, Np, Tp], θ
-    recomputed from the entering angles when a block is a whole chunk)."""
+    recomputed from the entering angles when a block is a whole chunk; without the angle gradient pass,
+    whose kernel and core have their own tests)."""
     from pallas_kernels.mamba3_siso import qk_gradients, queries_keys
 
     bsz, T = 2, 2 * chunk
     geo = make_geometry(batch=bsz, seqlen=T, heads=H, groups=G, headdim=16, d_state=N, num_angles=S,
                         chunk_size=chunk, has_z=False, matmul_dtype=jnp.float32, io_dtype=jnp.float32, interpret=True,
                         config=Mamba3ScanConfig(qk_head_splits=splits, angle_sums=sums, qk_grad_blocks=blocks,
-                                                qk_gradients_transposed=position_major))
+                                                qk_gradients_transposed=position_major, angle_gradient_pass=False))
     assert geo.angle_sums_by_matmul == (sums == "matmul")
     assert geo.qk_grad_rows == chunk // blocks
     assert geo.qk_splits == {2: min(splits, 2), 3: 3, 6: 3}[H // G]    # the largest divisor <= splits
@@ -618,14 +643,14 @@ def _lower_for_h200(shape, dtype, *, with_z=True, config=None):
 
 
 @pytest.mark.parametrize("shape,dtype,with_z,config,launches", [
-    ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True, None, 7),              # the benchmark shape
+    ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True, None, 8),              # the benchmark shape
     # the queries' and keys' gradients rotated back in their chunk launches (head_gradients.py)
     ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True, ROTATE_IN_CHUNKS, 7),
     ((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, True,
      dataclasses.replace(ROTATE_IN_CHUNKS, head_gradient_launches=1), 6),
-    ((2, 70, 6, 3, 7, 20, 1), jnp.float32, False, None, 7),      # padding everywhere, groups, no Z
-    ((1, 64, 2, 1, 16, 64, 8), jnp.float16, True, None, 7),      # rope_fraction 1.0, f16 dots, 8-wide pieces
-    ((2, 64, 4, 1, 16, 32, 8), jnp.bfloat16, True, Mamba3ScanConfig(keys_with_queries=False), 8),
+    ((2, 70, 6, 3, 7, 20, 1), jnp.float32, False, None, 8),      # padding everywhere, groups, no Z
+    ((1, 64, 2, 1, 16, 64, 8), jnp.float16, True, None, 8),      # rope_fraction 1.0, f16 dots, 8-wide pieces
+    ((2, 64, 4, 1, 16, 32, 8), jnp.bfloat16, True, Mamba3ScanConfig(keys_with_queries=False), 9),
     ((2, 64, 4, 2, 64, 20, 16), jnp.float32, True,
      dataclasses.replace(ROTATE_IN_CHUNKS, angle_sums="matmul", num_warps_head_grad=8), 7),
 ], ids=["perf-shape-bf16", "perf-shape-bf16-head-launches", "perf-shape-bf16-one-head-launch", "odd-shape-f32", "fullrope-f16",
@@ -635,13 +660,15 @@ def test_kernels_lower_to_triton_for_h200(shape, dtype, with_z, config, launches
     # forward: queries/keys, the state walk, chunk outputs; backward: the adjoint walk, then the values
     # launch and the queries' and keys' head gradient launches (7; one launch for both: 6), or the
     # keys+queries and values launches and the query/key gradient kernel (7; keys_with_queries=False:
-    # keys and queries apart, 8); state_passes="split" adds two
+    # keys and queries apart, 8); state_passes="split" adds two; per-head angles (these shapes') add
+    # the angle gradient pass (entry_angles.angle_gradients) unless the chunk launches rotate back
     assert text.count("__gpu$xla.gpu.triton") == launches
 
 
 @pytest.mark.parametrize("config,launches", [
     (Mamba3ScanConfig(qk_gradients_transposed=True, angle_gradient_pass=True), 8),
-    (Mamba3ScanConfig(qk_gradients_transposed=True, stored_theta=True, position_major_d_angles=True), 7)],
+    (Mamba3ScanConfig(qk_gradients_transposed=True, stored_theta=True, position_major_d_angles=True,
+                      angle_gradient_pass=False), 7)],
     ids=["angle-gradient-pass", "theta-and-d-angles-position-major"])
 def test_position_major_angle_options_lower_for_h200(config, launches):
     """Per-head angles on the position-major query/key gradient kernel: with angle_gradient_pass one more
@@ -658,7 +685,7 @@ def test_angle_sums_by_matmul_lower_for_h200():
     """Mamba3ScanConfig(angle_sums="matmul"): the triangular dots in both query/key kernels lower."""
     config = Mamba3ScanConfig(angle_sums="matmul", rotate_in_chunk_gradients=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 7   # keys+queries in one launch (the default)
+    assert text.count("__gpu$xla.gpu.triton") == 8   # keys+queries in one launch, the angle pass (defaults)
 
 
 def test_query_key_gradient_blocks_lower_for_h200():
@@ -667,7 +694,8 @@ def test_query_key_gradient_blocks_lower_for_h200():
     config = Mamba3ScanConfig(qk_grad_blocks=4, num_warps_qk_grad=16, qk_gradient_dtype="float32",
                               rotate_in_chunk_gradients=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 7   # keys+queries in one launch (the default)
+    # keys+queries in one launch (the default); no angle pass: 16-row programs keep the row-major kernel
+    assert text.count("__gpu$xla.gpu.triton") == 7
 
 
 def test_keys_with_queries_lowers_for_h200():
@@ -680,34 +708,34 @@ def test_keys_with_queries_lowers_for_h200():
              for line in text.splitlines() if "__gpu$xla.gpu.triton" in line
              for name in ("gradients_values", "gradients_keys_queries") if name + "\\00" in line}
     assert warps == {"gradients_values": ["8"], "gradients_keys_queries": ["4"]}, warps
-    assert text.count("__gpu$xla.gpu.triton") == 7
+    assert text.count("__gpu$xla.gpu.triton") == 8
 
 
 def test_skip_term_as_a_per_position_weight_lowers_for_h200():
     config = Mamba3ScanConfig(skip_in_scores=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 7   # keys+queries in one launch (the default)
+    assert text.count("__gpu$xla.gpu.triton") == 8   # keys+queries in one launch, the angle pass (defaults)
 
 
 def test_split_state_passes_lower_for_h200():
     """state_passes="split": each pass is a contribution launch and a combine (the default walk is one)."""
     config = Mamba3ScanConfig(state_passes="split")
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 9
+    assert text.count("__gpu$xla.gpu.triton") == 10
 
 
 def test_adt_in_the_keys_launch_lowers_for_h200():
     """adt_in_values=False (the default, dADT with the values, is lowered by the tests above)."""
     config = Mamba3ScanConfig(adt_in_values=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 7   # keys+queries in one launch (the default)
+    assert text.count("__gpu$xla.gpu.triton") == 8   # keys+queries in one launch, the angle pass (defaults)
 
 
 def test_stored_for_keys_lowers_for_h200():
     """(The default, scores and ungated Y stored for the values launch, is lowered by the tests above.)"""
     config = Mamba3ScanConfig(stored_for_keys=True, rotate_in_chunk_gradients=False)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 7   # keys+queries in one launch (the default)
+    assert text.count("__gpu$xla.gpu.triton") == 8   # keys+queries in one launch, the angle pass (defaults)
 
 
 @pytest.mark.parametrize("config,kernels_rotating", [
@@ -727,7 +755,7 @@ def test_fast_rotation_lowers_to_the_hardware_instructions(config, kernels_rotat
 def test_one_or_two_gradient_launches_lower_for_h200(kernels):
     config = Mamba3ScanConfig(gradient_kernels=kernels, stored_state_dtype="float32", num_warps_grad=8, **NOT_STORED)
     text = _lower_for_h200((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, config=config)
-    assert text.count("__gpu$xla.gpu.triton") == 5 + kernels
+    assert text.count("__gpu$xla.gpu.triton") == 6 + kernels   # with the angle gradient pass
 
 
 def test_abstract_lowering_rejects_what_triton_cannot_lower():
@@ -953,11 +981,12 @@ def test_gpu_fast_math_matches_reference():
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-angles", "per-head-angles"])
 def test_gpu_position_major_query_key_gradients_match_reference(shared):
     """config.qk_gradients_transposed at the benchmark shape, angles shared by the heads (the model's
-    case) and per head."""
+    case) and per head (without the angle gradient pass, which has its own test below)."""
     arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=30)
     if shared:
         arrays = dict(arrays, Angles=arrays["Angles"][:, :, :1])
-    check_no_less_accurate(arrays, states, 64, 2.5e-2, Mamba3ScanConfig(qk_gradients_transposed=True))
+    check_no_less_accurate(arrays, states, 64, 2.5e-2,
+                           Mamba3ScanConfig(qk_gradients_transposed=True, angle_gradient_pass=False))
 
 
 @pytest.mark.gpu
@@ -966,7 +995,7 @@ def test_gpu_position_major_theta_and_d_angles_match_reference():
     gradient written position-major) at the benchmark shape with per-head angles (the op benchmark's)."""
     arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=32)
     check_no_less_accurate(arrays, states, 64, 2.5e-2, Mamba3ScanConfig(
-        qk_gradients_transposed=True, stored_theta=True, position_major_d_angles=True))
+        qk_gradients_transposed=True, stored_theta=True, position_major_d_angles=True, angle_gradient_pass=False))
 
 
 @pytest.mark.gpu

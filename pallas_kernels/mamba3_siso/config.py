@@ -82,9 +82,10 @@ class Mamba3ScanConfig:
         dθ_entry) and the prefix sums of the angles stay inside a warp instead of crossing the 8 warps
         through shared memory. The same sums in another order. Not with bias_gradients_by_xla (whose XLA
         sums read dq, dk̃ row-major): that knob runs the row-major kernel. None (default): on when the
-        angles are shared by the heads (the model's case). H100, session 37: train step 73.6 → 71.9 ms
-        and 22.6 → 21.5 GiB (no θ stored); with per-head angles (the op benchmark's) the per-head tanh
-        and transposes made the kernel 414 → 481 µs, so those keep the row-major kernel.
+        angles are shared by the heads (the model's case; H100, session 37: train step 73.6 → 71.9 ms
+        and 22.6 → 21.5 GiB, no θ stored), and for per-head angles where angle_gradient_pass runs (whole
+        chunks per program, no rotate_in_chunk_gradients); other per-head cases keep the row-major
+        kernel (its per-head tanh and transposes made the position-major one 414 → 481 µs, session 37).
       transposed_gradient_dots: with the position-major query/key gradients, the chunk-gradient launch
         forms dq, dk̃ transposed by swapping the operands of their dots instead of transposing the
         [L, Np] results before the store (+23 µs per call measured for the latter, session 37).
@@ -100,16 +101,17 @@ class Mamba3ScanConfig:
         session 38, per-head angles: the kernel 451 → 332 µs (row-major kernel 410), but XLA's
         transposes of the angles in and the gradient out added ~90 µs (kernel sum +27 µs); train
         step (shared angles) unchanged; off.
-      angle_gradient_pass: per-head angles only, with the position-major query/key gradient kernel (so
-        with qk_gradients_transposed=True: the automatic choice keeps per-head angles row-major, and the
-        knob then does nothing) and whole chunks per program: the angles' and DT's gradients are
-        finished by one more small kernel (entry_angles.angle_gradients) instead of the gradient kernel
-        and XLA. The core then forms the
-        chunk-entry angles itself (entry_angles.chunk_entry_angles inside its custom VJP), the forward
+      angle_gradient_pass: per-head angles only, with the position-major query/key gradient kernel
+        (chosen for it when qk_gradients_transposed is None; with qk_gradients_transposed=False the knob
+        does nothing) and whole chunks per program: the angles' and DT's gradients are finished by one
+        more small kernel (entry_angles.angle_gradients) instead of the gradient kernel and XLA. The
+        core then forms the chunk-entry angles itself (entry_angles.chunk_entry_angles inside its custom VJP), the forward
         stores θ position-major (as stored_theta), the gradient kernel reads no angles and writes the
         in-chunk reverse sums of dθ position-major, and the pass adds the later chunks' sums, applies
         the tanh's slope and DT, and writes d angles row-major and d DT: no transposes and no angle
-        glue in XLA. Untimed; off.
+        glue in XLA. H100, session 39, per-head angles, op kernel sum 1902 → 1772 µs at B=8 T=2048 and
+        1886 → 1750 at B=32 T=512 (gradient kernel 414 → 266, the pass 57, XLA's angle fusions 87 → 24);
+        on (the default).
       num_warps_angle_pass: Triton warps of that kernel.
       bias_gradients_by_xla: the query/key gradient kernel leaves the bias gradients out (their column
         sums over each block's rows are a third of its head loop and 30 of its 43 barriers,
@@ -260,7 +262,7 @@ class Mamba3ScanConfig:
     transposed_gradient_dots: bool = False
     stored_theta: bool = False
     position_major_d_angles: bool = False
-    angle_gradient_pass: bool = False
+    angle_gradient_pass: bool = True
     num_warps_angle_pass: int = 4
     qk_head_splits: int = 1
     num_stages: int = 1
@@ -439,8 +441,16 @@ class ScanGeometry:
         if self.config.bias_gradients_by_xla:
             return False
         if self.config.qk_gradients_transposed is None:
-            return self.shared_angles and self.num_angles > 0
+            return self.num_angles > 0 and (self.shared_angles or self.angle_pass_fits)
         return self.config.qk_gradients_transposed
+
+    @property
+    def angle_pass_fits(self) -> bool:
+        """config.angle_gradient_pass with per-head angles and a layout it runs on: the query/key gradient
+        kernel on whole chunks, no rotation in the chunk-gradient launches (whether the kernel is
+        position-major aside)."""
+        return (self.config.angle_gradient_pass and self.num_angles > 0 and not self.shared_angles
+                and self.qk_grad_rows == self.chunk and not self.config.rotate_in_chunk_gradients)
 
     @property
     def theta_position_major(self) -> bool:
@@ -454,9 +464,7 @@ class ScanGeometry:
     def angle_pass(self) -> bool:
         """config.angle_gradient_pass where it applies: per-head angles, the position-major query/key
         gradient kernel on whole chunks, no rotation in the chunk-gradient launches."""
-        return (self.config.angle_gradient_pass and self.num_angles > 0 and not self.shared_angles
-                and self.qk_grad_position_major and self.qk_grad_rows == self.chunk
-                and not self.config.rotate_in_chunk_gradients)
+        return self.angle_pass_fits and self.qk_grad_position_major
 
     @property
     def qk_grad_rows(self) -> int:
