@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common.dtypes import F32
@@ -48,7 +49,7 @@ def chunk_entry_angles(geo: ScanGeometry, rate, dt, angle0):
     sums = jnp.mod(sums, TWO_PI)                                                               # [Bt, nc, H, S]
     # [θ_{-1}, sum_0, ..., sum_{nc-1}]: row c of `before` adds θ_{-1} and the sums of the chunks before c
     terms = jnp.concatenate([angle0[:, None], sums], axis=1)                                      # [Bt, nc+1, H, S]
-    before = jnp.tril(jnp.ones((nc + 1, nc + 1), F32))
+    before = np.tril(np.ones((nc + 1, nc + 1), np.float32))     # a constant of the program (no iota launches)
     running = jnp.mod(jnp.einsum("ck,bkhs->bchs", before, terms, precision=HI), TWO_PI)
     return running[:, :-1], running[:, -1]
 
@@ -59,7 +60,7 @@ def later_chunk_sums(d_entry, d_final):
     d_entry [Bt, nc, H, Sp] and the final angle's cotangent d_final [Bt, H, Sp]. Summed in a fixed order
     (a triangular matmul, float32 Precision.HIGHEST)."""
     nc = d_entry.shape[1]
-    strictly_after = jnp.triu(jnp.ones((nc, nc), F32), k=1)                                      # [c, c']: c' > c
+    strictly_after = np.triu(np.ones((nc, nc), np.float32), k=1)            # [c, c']: c' > c; a constant
     later = jnp.einsum("ck,bkhs->bchs", strictly_after, d_entry, precision=HI) + d_final[:, None]
     return later, later[:, 0] + d_entry[:, 0]
 
