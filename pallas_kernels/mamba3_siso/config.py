@@ -105,11 +105,11 @@ class Mamba3ScanConfig:
         (chosen for it when qk_gradients_transposed is None; with qk_gradients_transposed=False the knob
         does nothing) and whole chunks per program: the angles' and DT's gradients are finished by one
         more small kernel (entry_angles.angle_gradients) instead of the gradient kernel and XLA. The
-        core then forms the chunk-entry angles itself (entry_angles.chunk_entry_angles inside its custom VJP), the forward
-        stores θ position-major (as stored_theta), the gradient kernel reads no angles and writes the
-        in-chunk reverse sums of dθ position-major, and the pass adds the later chunks' sums, applies
-        the tanh's slope and DT, and writes d angles row-major and d DT: no transposes and no angle
-        glue in XLA. H100, session 39, per-head angles, op kernel sum 1902 → 1772 µs at B=8 T=2048 and
+        core then forms the chunk-entry angles itself (entry_angles.chunk_entry_angles inside its
+        custom VJP), the forward stores θ position-major (as stored_theta), the gradient kernel reads
+        no angles and writes the in-chunk reverse sums of dθ position-major, and the pass adds the
+        later chunks' sums, applies the tanh's slope and DT, and writes d angles row-major and d DT:
+        no transposes and no angle glue in XLA. H100, session 39, per-head angles, op kernel sum 1902 → 1772 µs at B=8 T=2048 and
         1886 → 1750 at B=32 T=512 (gradient kernel 414 → 266, the pass 57, XLA's angle fusions 87 → 24);
         on (the default).
       num_warps_angle_pass: Triton warps of that kernel.
