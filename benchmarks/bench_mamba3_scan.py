@@ -201,10 +201,11 @@ def core_operands(inputs, chunk, config):
 
     seen = {}
 
-    def stand_in(geo, *operands):   # what chunked_core returns: out like v, the final state like s0
+    def stand_in(geo, *operands):   # what chunked_core returns: out like v, the final state [Bt, H, Pp, Np]
         seen["geo"], seen["operands"] = geo, operands
-        v, s0 = operands[8], operands[12]
-        return jnp.zeros(v.shape, v.dtype), jnp.zeros(s0.shape, jnp.float32)
+        v = operands[8]
+        final = (geo.batch, geo.heads, geo.padded_headdim, geo.padded_state)
+        return jnp.zeros(v.shape, v.dtype), jnp.zeros(final, jnp.float32)
 
     def prep(*x):
         real = kernel_scan.chunked_core
@@ -261,8 +262,9 @@ def stage_breakdown(shape, dims, chunk, config, iters, workers):
         return state_passes.chunk_contributions(geo, operands(args, qk, d_out), adjoint=True)
 
     def bwd_combine(args, local):
-        return state_passes.combine_chunks(geo, local, state_passes.chunk_decays(geo, args[10]),
-                                           jnp.zeros_like(args[12]), reverse=True)[0]
+        d_final = jnp.zeros((geo.batch, geo.heads, geo.padded_headdim, geo.padded_state), jnp.float32)
+        return state_passes.combine_chunks(geo, local, state_passes.chunk_decays(geo, args[10]), d_final,
+                                           reverse=True, want_last=args[12] is not None)[0]
 
     def bwd_chunks(args, qk, d_out, entering, leaving, stored):   # stored: the forward's kept products
         return chunk_backward.chunk_gradients(geo, dict(operands(args, qk, d_out), **stored), entering, leaving)

@@ -107,11 +107,16 @@ SLOW_TESTS = (
     ("test_mamba3_scan_pallas.py", "test_position_major_query_key_gradients_match_reference",
      "per-head-angles-angle-gradient-pass"),
     ("test_mamba3_scan_pallas.py", "test_angle_gradient_kernel_and_later_sums_match_their_references", "one-chunk"),
+    # per-head angles on the position-major kernel without the angle gradient pass (the pass is the default)
+    ("test_mamba3_scan_pallas.py", "test_position_major_query_key_gradients_match_reference", "per-head-angles-groups"),
     ("test_mamba3_projected.py", "test_row_splits_change_nothing", None),
     ("test_mamba3_qk_norm.py", "test_the_op_normalizes_as_rms_norm_before_it", "pallas-fused"),
     ("test_causal_conv_pallas.py", "test_values_and_every_cotangent_match_the_xla_conv", "loop-"),
     # more cases of a check the default tier runs in another dtype, shape, optimizer or model
     ("test_mamba3_scan_pallas.py", "test_walking_state_passes_match_reference", "f16"),
+    ("test_mamba3_scan_pallas.py", "test_final_state_unused_matches_reference", "per-head-angles-states"),
+    ("test_mamba3_scan_pallas.py", "test_final_state_unused_matches_reference", "no-angles"),
+    ("test_mamba3_scan_pallas.py", "test_fresh_sequence_equals_explicit_zero_states", "no-angles"),
     ("test_mamba3_scan_pallas.py", "test_walking_state_passes_match_reference", "f32-no-z-no-states"),
     ("test_mamba3_projected.py", "test_fused_matches_the_unfused_pallas_path", "six-heads-three-groups"),
     ("test_mamba3_projected.py", "test_fused_matches_the_unfused_pallas_path", "model-like-N"),

@@ -406,6 +406,121 @@ def test_skip_term_as_a_per_position_weight_matches_reference(shape, dtype, opti
     check_against_reference(arrays, states, chunk_size, tol, Mamba3ScanConfig(skip_in_scores=False, **config))
 
 
+def _walk_operand_counts(with_states, final_used=True):
+    """{walk launch name: (operands, results)} in the jaxpr of the op's forward + backward (final_used
+    False: the loss uses only the output, so the final states' cotangents are symbolic zeros)."""
+    arrays, states = make_inputs((2, 40, 4, 1, 16, 8, 4), jnp.float32, with_states=with_states, seed=34)
+    present = tuple(k for k in ARRAYS if arrays[k] is not None)
+    d_out, d_final = cotangents(arrays)
+
+    def f(vals, states):
+        kw = dict(zip(present, vals))
+        out, final = mamba3_siso_scan_pallas(*[kw.get(k) for k in ARRAYS], states, None,
+                                             tuning=Mamba3ScanTuning(chunk_size=16))
+        return (out, Mamba3ScanState(*final)) if final_used else out
+
+    jaxpr = jax.make_jaxpr(lambda v, s: jax.vjp(f, v, s)[1]((d_out, d_final) if final_used else d_out))(
+        tuple(arrays[k] for k in present), states)
+    counts = {}
+
+    def walk(j):
+        for e in j.eqns:
+            name = str(e.params.get("name", ""))
+            if e.primitive.name == "pallas_call" and name.endswith("_walk"):
+                counts[name] = (len(e.invars), len(e.outvars))
+            for v in e.params.values():
+                sub = getattr(v, "jaxpr", v)
+                if hasattr(sub, "eqns") and e.primitive.name != "pallas_call":
+                    walk(sub)
+    walk(jaxpr.jaxpr)
+    return counts
+
+
+def test_no_initial_state_is_neither_read_nor_differentiated():
+    """Without an initial state the forward walk starts from zeros with no state operand, and the adjoint
+    walk writes no ∂L/∂S_0 (one operand and one result fewer than with a state; values and cotangents of
+    both cases are checked against the reference by the tests above)."""
+    given, absent = _walk_operand_counts(True), _walk_operand_counts(False)
+    assert set(given) == set(absent) == {"mamba3_siso_fwd_state_walk", "mamba3_siso_bwd_adjoint_walk"}
+    fwd, bwd = "mamba3_siso_fwd_state_walk", "mamba3_siso_bwd_adjoint_walk"
+    assert absent[fwd] == (given[fwd][0] - 1, given[fwd][1])
+    assert absent[bwd] == (given[bwd][0], given[bwd][1] - 1)
+
+
+def test_unused_final_state_gives_the_adjoint_walk_no_boundary():
+    """A loss that ignores the final states (their cotangents symbolic zeros, the train step's case): the
+    adjoint walk starts from zeros with no boundary operand. Values: test_final_state_unused_matches_reference."""
+    used, unused = _walk_operand_counts(False), _walk_operand_counts(False, final_used=False)
+    bwd = "mamba3_siso_bwd_adjoint_walk"
+    assert unused[bwd] == (used[bwd][0] - 1, used[bwd][1])
+
+
+@pytest.mark.parametrize("shape,with_states,chunk_size", [
+    ((2, 37, 4, 2, 8, 3, 2), True, 16), ((1, 40, 2, 1, 16, 8, 4), False, 16), ((2, 30, 2, 1, 8, 4, 0), False, 16)],
+    ids=["per-head-angles-states", "no-states", "no-angles"])
+def test_final_state_unused_matches_reference(shape, with_states, chunk_size):
+    """The output's value and every cotangent when the loss uses only the output (symbolic zero
+    cotangents of the final states through both cores), against the reference."""
+    arrays, states = make_inputs(shape, jnp.float32, with_states=with_states, seed=35)
+    present = tuple(k for k in ARRAYS if arrays[k] is not None)
+    d_out, _ = cotangents(arrays)
+
+    def grads(impl, tuning):
+        def f(vals, states):
+            kw = dict(zip(present, vals))
+            return impl(*[kw.get(k) for k in ARRAYS], states, None, tuning=tuning)[0]
+        out, vjp = jax.vjp(f, tuple(arrays[k] for k in present), states)
+        return out, vjp(d_out)
+
+    out, (d_arrays, d_states) = jax.jit(lambda: grads(mamba3_siso_scan_pallas, Mamba3ScanTuning(chunk_size=chunk_size)))()
+    w_out, (w_arrays, w_states) = jax.jit(lambda: grads(mamba3_siso_scan_reference, Mamba3ScanTuning()))()
+    assert_close("out", out, w_out, 2e-5)
+    for name, got, want in zip(present, d_arrays, w_arrays):
+        assert_close(f"d{name}", got, want, 2e-5 * (2 if name in SUMMED else 1))
+    if with_states:
+        for name, got, want in zip(STATES, d_states, w_states):
+            assert_close(f"d initial {name}", got, want, 4e-5)
+
+
+def _fresh_against_explicit_zeros(shape, dtype, chunk_size):
+    """The op's output and input cotangents on a fresh sequence with an output-only loss, two ways: no
+    initial state and the final states unused (no boundary operands: the walks start from zeros), and
+    zero initial states given with a zero-weighted use of the final states (the zeros read from HBM)."""
+    arrays, _ = make_inputs(shape, dtype, with_states=False, seed=36)
+    present = tuple(k for k in ARRAYS if arrays[k] is not None)
+    vals = tuple(arrays[k] for k in present)
+    d_out, _ = cotangents(arrays)
+    bsz, T, H, G, N, P, S = shape
+    zeros = Mamba3ScanState(*(jnp.zeros(s, jnp.float32) for s in mamba3_state_shapes((bsz, T, H, 1, N, P, S))))
+    tuning = Mamba3ScanTuning(chunk_size=chunk_size)
+
+    def run(states, weight):
+        def f(vals):
+            kw = dict(zip(present, vals))
+            out, final = mamba3_siso_scan_pallas(*[kw.get(k) for k in ARRAYS], states, None, tuning=tuning)
+            return out if weight is None else (out, sum(jnp.sum(x) for x in final) * weight)
+        if weight is None:
+            out, vjp = jax.vjp(f, vals)
+            return out, vjp(d_out)
+        (out, _), vjp = jax.vjp(f, vals)
+        return out, vjp((d_out, jnp.float32(1.0)))
+
+    fresh = jax.jit(lambda v: run(None, None))(vals)
+    explicit = jax.jit(lambda v: run(zeros, 0.0))(vals)
+    return fresh, explicit
+
+
+def _assert_bit_identical(first, second):
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("shape", [(2, 37, 4, 2, 8, 3, 2), (1, 40, 2, 1, 16, 8, 0)], ids=["per-head-angles", "no-angles"])
+def test_fresh_sequence_equals_explicit_zero_states(shape):
+    """No boundary operands gives bit for bit what reading zero states gives (0·decay + U = U exactly)."""
+    _assert_bit_identical(*_fresh_against_explicit_zeros(shape, jnp.float32, 16))
+
+
 def test_stored_products_are_kept_only_for_a_backward():
     """The chunk-output kernel writes the scores and ungated output only when asked for the backward
     (core._core_fwd asks, the plain forward does not), in the dot operand dtype and float32, one [L]
@@ -620,25 +735,29 @@ def _input_specs(shape, dtype, with_z):
             tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states))
 
 
-def _lower_for_h200(shape, dtype, *, with_z=True, config=None):
+def _lower_for_h200(shape, dtype, *, with_z=True, config=None, fresh=False):
     """Traces forward+backward and lowers it for an abstract H200: runs the Pallas->Triton lowering
-    (the glue is told it is not on the CPU, so the kernels are lowered, not interpreted)."""
+    (the glue is told it is not on the CPU, so the kernels are lowered, not interpreted). fresh: no
+    initial state and a loss of the output alone (the walks start from zeros, no state operands)."""
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
     present, specs, state_specs = _input_specs(shape, dtype, with_z)
+    if fresh:
+        state_specs = None
 
     def loss(vals, states):
         kw = dict(zip(present, vals))
         out, final = mamba3_siso_scan_pallas(*[kw.get(k) for k in ARRAYS], states, None,
                                              tuning=Mamba3ScanTuning(chunk_size=64, pallas_config=config))
-        return jnp.sum(out.astype(jnp.float32)) + sum(jnp.sum(x) for x in final)
+        return jnp.sum(out.astype(jnp.float32)) + (0.0 if fresh else sum(jnp.sum(x) for x in final))
 
     device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
     with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh), \
             mock.patch.object(pallas_glue, "interpret_mode", return_value=False):
         warnings.simplefilter("ignore", DeprecationWarning)   # "Pallas Triton backend is deprecated"
-        lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(list(specs), state_specs).lower(lowering_platforms=("cuda",))
+        argnums = (0,) if fresh else (0, 1)
+        lowered = jax.jit(jax.grad(loss, argnums=argnums)).trace(list(specs), state_specs).lower(lowering_platforms=("cuda",))
     return lowered.as_text()
 
 
@@ -678,6 +797,15 @@ def test_position_major_angle_options_lower_for_h200(config, launches):
                         has_z=True, matmul_dtype=jnp.bfloat16, io_dtype=jnp.bfloat16, config=config)
     assert geo.angle_pass == config.angle_gradient_pass and geo.theta_position_major
     text = _lower_for_h200(shape, jnp.bfloat16, config=config)
+    assert text.count("__gpu$xla.gpu.triton") == launches
+
+
+@pytest.mark.parametrize("config,launches", [(None, 8), (Mamba3ScanConfig(state_passes="split"), 10)],
+                         ids=["walks", "split-passes"])
+def test_fresh_sequence_lowers_for_h200(config, launches):
+    """No initial state and the final state unused: the walks (or the combines) start from zeros with no
+    boundary operand and the adjoint writes no ∂L/∂S_0; they still lower, with the same launches."""
+    text = _lower_for_h200((2, 128, 4, 1, 32, 64, 8), jnp.bfloat16, config=config, fresh=True)
     assert text.count("__gpu$xla.gpu.triton") == launches
 
 
@@ -1136,6 +1264,13 @@ def test_gpu_two_runs_are_bit_identical_at_the_perf_shape():
     second = _value_and_vjp(mamba3_siso_scan_pallas, present, tuning, vals, states, d_out, d_final)
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.gpu
+def test_gpu_fresh_sequence_equals_explicit_zero_states_at_the_perf_shape():
+    """The walks without boundary operands (no initial state, the final state unused: the op benchmark's
+    and the train step's case) against zero states read from HBM, bit for bit, per-head angles."""
+    _assert_bit_identical(*_fresh_against_explicit_zeros((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, 64))
 
 
 @pytest.mark.gpu

@@ -38,6 +38,11 @@ states entering every chunk
 ([Bt, H, nc, Pp, Np]), and when the config asks (stored_scores, stored_ungated) the chunks' masked
 scores and the ungated output, written by the forward's chunk-output kernel for the values gradient
 launch; the backward never calls the forward kernels' VJP.
+
+Zeros: both custom VJPs take symbolic zeros. An absent initial state (s0 None) is neither read nor
+differentiated, and a final state whose cotangent is a symbolic zero (unused by the loss, as in a
+training step without carried state) gives the adjoint walk no boundary operand: no zero
+[Bt, H, Pp, Np] arrays are formed, read or written for them.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from pallas_kernels.common.dtypes import F32
 from pallas_kernels.mamba3_siso import chunk_backward, chunk_forward, state_passes
@@ -76,7 +82,8 @@ def chunked_core(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, dt, the
         theta_entry: [Bt, nc, H, Sp] float32 wrapped angle entering each chunk, or both None (no angles).
       v: [Bt, Tp, H, Pp]; z: [Bt, Tp, H, Pp] or None.
       adt, gamma: [Bt, Tp, H] float32 (ADT; γ = λ·DT, the weight of ⟨q̄, k̄⟩ in skip = D + γ⟨q̄, k̄⟩).
-      s0: [Bt, H, Pp, Np] float32, the augmented initial state.
+      s0: [Bt, H, Pp, Np] float32, the augmented initial state, or None for a zero one (nothing read, and
+        no cotangent formed: the adjoint walk then writes no ∂L/∂S_0; its cotangent is None).
       D: [H] float32 skip weight (zeros for none).
 
     Returns:
@@ -120,7 +127,21 @@ def _forward(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, ad
     return out, final, (q, k, theta, diagonal, entering, stored)
 
 
-def _core_fwd(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D):
+def _values(args):
+    """The primal values of a symbolic-zeros fwd rule's arguments (CustomVJPPrimal leaves; None kept)."""
+    return tuple(a.value if isinstance(a, CustomVJPPrimal) else a for a in args)
+
+
+def _instantiated(ct):
+    """A cotangent as an array: zeros for a symbolic zero."""
+    return jnp.zeros(ct.aval.shape, ct.aval.dtype) if isinstance(ct, SymbolicZero) else ct
+
+
+def _core_fwd(geo, *args):
+    return _core_fwd_values(geo, *_values(args))
+
+
+def _core_fwd_values(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D):
     if geo.angle_pass:
         raise ValueError("chunked_core: with config.angle_gradient_pass (geo.angle_pass) the core that forms the "
                          "chunk-entry angles itself, chunked_core_with_angles, must be used")
@@ -130,17 +151,22 @@ def _core_fwd(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, a
 def _core_forward(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D):
     out, final, (q, k, theta, diagonal, entering, stored) = _forward(
         geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D, for_backward=True)
+    # a zero-size marker: whether an initial state was given (None is kept by the residuals' pytree)
+    has_initial = None if s0 is None else jnp.zeros((0,), F32)
     return (out, final), (Q, K, Q_bias, K_bias, scale, angles, dt, theta, theta_entry if theta is None else None,
-                          q, k, v, z, adt, gamma, D, diagonal, entering, stored)
+                          q, k, v, z, adt, gamma, D, diagonal, entering, stored, has_initial)
 
 
 def _core_bwd(geo, residuals, cotangents):
     (Q, K, Q_bias, K_bias, scale, angles, dt, theta, theta_entry, q, k, v, z, adt, gamma, D, diagonal, entering,
-     stored) = residuals
+     stored, has_initial) = residuals
     d_out, d_final = cotangents
+    d_out = _instantiated(d_out)
+    # the final state unused (a symbolic zero cotangent): the adjoint walk starts from zeros, no operand
+    d_final = None if isinstance(d_final, SymbolicZero) else d_final.astype(F32)
     skip, weight = skip_operands(geo, D, gamma, scale, diagonal)
     ops = dict(kernel_operands(q, k, v, z, adt, skip, d_out=d_out.astype(v.dtype), diag_weight=weight), **stored)
-    leaving, d_initial = state_passes.adjoint_state_pass(geo, ops, d_final.astype(F32))
+    leaving, d_initial = state_passes.adjoint_state_pass(geo, ops, d_final, want_initial=has_initial is not None)
     if fuses_rotation(geo, ops):
         g = chunk_backward.chunk_gradients(geo, ops, entering, leaving, values_only=True)
         dQ, dK, dQ_bias, dK_bias, d_scale, d_angles, d_dt, d_entry = head_query_key_gradients(
@@ -160,7 +186,7 @@ def _core_bwd(geo, residuals, cotangents):
             g.get("dz"), g["d_adt"], d_skip * diagonal, d_initial, d_D)
 
 
-chunked_core.defvjp(_core_fwd, _core_bwd)
+chunked_core.defvjp(_core_fwd, _core_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -177,7 +203,11 @@ def chunked_core_with_angles(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, ang
     return out, final, theta_final
 
 
-def _with_angles_fwd(geo, Q, K, Q_bias, K_bias, scale, angles, dt, angle0, v, z, adt, gamma, s0, D):
+def _with_angles_fwd(geo, *args):
+    return _with_angles_fwd_values(geo, *_values(args))
+
+
+def _with_angles_fwd_values(geo, Q, K, Q_bias, K_bias, scale, angles, dt, angle0, v, z, adt, gamma, s0, D):
     if not geo.angle_pass:
         raise ValueError("chunked_core_with_angles runs only where config.angle_gradient_pass applies (geo.angle_pass)")
     theta_entry, theta_final = chunk_entry_angles(geo, angle_rate(angles), dt, angle0)
@@ -189,6 +219,7 @@ def _with_angles_fwd(geo, Q, K, Q_bias, K_bias, scale, angles, dt, angle0, v, z,
 def _with_angles_bwd(geo, residuals, cotangents):
     d_out, d_final, d_theta_final = cotangents
     grads = list(_core_bwd(geo, residuals, (d_out, d_final)))
+    d_theta_final = _instantiated(d_theta_final)
     angles, dt = residuals[5], residuals[6]
     d_inc, d_entry = grads[5], grads[7]          # the in-chunk sums of dθ (position-major), Σ dθ per chunk
     later, d_angle0 = later_chunk_sums(d_entry, d_theta_final.astype(F32))
@@ -197,4 +228,4 @@ def _with_angles_bwd(geo, residuals, cotangents):
     return tuple(grads)
 
 
-chunked_core_with_angles.defvjp(_with_angles_fwd, _with_angles_bwd)
+chunked_core_with_angles.defvjp(_with_angles_fwd, _with_angles_bwd, symbolic_zeros=True)

@@ -62,7 +62,8 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, dt, angl
       scale, gamma, ADT: [Bt, T, H] float32 (see the module docstring); D: [H] skip weight or None.
       angles: [Bt, T, 1 or H, S] the op's raw (pre-tanh) Angles (1: shared by the heads), or None when
         S = 0; dt: [Bt, T, H] float32 DT (the increment of head h is π·tanh(angles)·DT_h; unused when S = 0).
-      angle0: [Bt, H, S] the entering angle; s0: [Bt, H, P, N] the entering (augmented) state.
+      angle0: [Bt, H, S] the entering angle; s0: [Bt, H, P, N] the entering (augmented) state, or None
+        for a zero one (the kernels then read none and form no gradient for it).
       Z: [Bt, T, H, P] gate or None.
       chunk_size: requested chunk length (rounded by config.chunk_length).
       config: launch parameters (None: DEFAULT_CONFIG).
@@ -113,7 +114,8 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, dt, angl
 def _run_core(geo: ScanGeometry, Qk, Kk, Q_bias, K_bias, scale, angles, dt, theta_entry, V, Z, adt, gamma, s0, D,
               angle0=None):
     """`chunked_core` on operands whose per-position arrays are already time-padded (Qk, Kk in the kernel
-    layout): the biases and s0 laid out, V, Z padded (time, headdim), D zeros when None. Returns (out
+    layout): the biases and s0 laid out (None: a zero initial state), V, Z padded (time, headdim), D zeros when
+    None. Returns (out
     [Bt, Tp, H, Pp], final state [Bt, H, Pp, Np]) as the core does; with angle0 ([Bt, H, Sp], theta_entry
     None) `chunked_core_with_angles`, and θ_final [Bt, H, Sp] third."""
     H = V.shape[2]
@@ -123,7 +125,7 @@ def _run_core(geo: ScanGeometry, Qk, Kk, Q_bias, K_bias, scale, angles, dt, thet
         scale, angles, dt, entry,
         _pad_headdim(geo, _pad_time(geo, V)), None if Z is None else _pad_headdim(geo, _pad_time(geo, Z)),
         adt, gamma,      # zero time padding: ADT = 0 is the identity decay
-        _pad_headdim(geo, to_kernel_layout(geo, s0), axis=2),
+        None if s0 is None else _pad_headdim(geo, to_kernel_layout(geo, s0), axis=2),
         jnp.zeros((H,), F32) if D is None else D.astype(F32))
 
 
@@ -169,7 +171,7 @@ def projected_scan(rest, V, dt_bias, K_weight, Q_weight, Q_bias, K_bias, D, init
     # s = γ + σ̂, σ̂_t = β/α at t + 1 (zero past the window: the padding rows are zeros)
     scale = gamma + jnp.concatenate([prev_weight[:, 1:], jnp.zeros_like(prev_weight[:, :1])], axis=1)
     if initial_state is None:
-        angle0, s0 = jnp.zeros((bsz, H, S), F32), jnp.zeros((bsz, H, P, N), F32)
+        angle0, s0 = jnp.zeros((bsz, H, S), F32), None      # a zero state: the walks read none
     else:
         angle0, ssm, k, v = (x.astype(F32) for x in initial_state)
         # the β_0 term of the carried (k, v) folded into the entering state

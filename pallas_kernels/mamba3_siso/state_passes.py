@@ -83,19 +83,20 @@ def chunk_decays(geo: ScanGeometry, adt):
     return jnp.exp(jnp.transpose(adt.reshape(bsz, geo.n_chunks, geo.chunk, H).sum(axis=2), (0, 2, 1)))
 
 
-def combine_chunks(geo: ScanGeometry, contributions, decays, boundary, *, reverse: bool):
+def combine_chunks(geo: ScanGeometry, contributions, decays, boundary, *, reverse: bool, want_last: bool = True):
     """Walks X_{next} = decay_c·X + contribution_c over the chunks.
 
     Args:
       contributions: [Bt, H, nc, Pp, Np] U_c or R_c.
       decays: [Bt, H, nc] e^{cs_end} of each chunk.
-      boundary: [Bt, H, Pp, Np] f32: S_0 (forward) or ∂L/∂S_final (reverse).
+      boundary: [Bt, H, Pp, Np] f32: S_0 (forward) or ∂L/∂S_final (reverse); None: zero (no operand).
       reverse: False: chunks 0..nc-1 (forward states); True: nc-1..0 (adjoints).
+      want_last: False: `last` is not written (None; the adjoint of an absent initial state).
 
     Returns:
       (per_chunk [Bt, H, nc, Pp, Np] stored dtype: the value before chunk c's step, i.e. the state
        entering chunk c (forward) or the adjoint of the state leaving it (reverse);
-       last [Bt, H, Pp, Np] f32: the final state (forward) or ∂L/∂S_0 (reverse)).
+       last [Bt, H, Pp, Np] f32: the final state (forward) or ∂L/∂S_0 (reverse), or None).
     """
     grid = layout.StateGrid(geo)
     nc = geo.n_chunks
@@ -117,20 +118,36 @@ def combine_chunks(geo: ScanGeometry, contributions, decays, boundary, *, revers
             refs["each"][chunk_at(k)] = x.astype(refs["each"].dtype)
             return decay * x + local, ahead
 
-        refs["last"][...] = jax.lax.fori_loop(0, nc, step, (refs["boundary"][...], load(0)))[0]
+        last = jax.lax.fori_loop(0, nc, step, (_start(refs, (grid.block_p, geo.padded_state)), load(0)))[0]
+        if want_last:
+            refs["last"][...] = last
 
     inputs = [("decay", decays, grid.chunk_scalars()), ("local", contributions, grid.chunk_states()),
               ("boundary", boundary, grid.state())]
     bsz, H, Pp, Np = geo.batch, geo.heads, geo.padded_headdim, geo.padded_state
-    outputs = [("each", jax.ShapeDtypeStruct((bsz, H, nc, Pp, Np), geo.stored_state_dtype), grid.chunk_states()),
-               ("last", jax.ShapeDtypeStruct((bsz, H, Pp, Np), F32), grid.state())]
+    outputs = _outputs(geo, grid, want_last)
     out = layout.launch(body, geo, grid, inputs, outputs,
                         "mamba3_siso_bwd_adjoint_combine" if reverse else "mamba3_siso_fwd_state_combine",
                         geo.config.num_warps_state)
-    return out["each"], out["last"]
+    return out["each"], out.get("last")
 
 
-def walk_chunks(geo: ScanGeometry, ops: dict, boundary, *, adjoint: bool):
+def _start(refs, shape):
+    """The walk's first carry: the boundary block, or zeros when the boundary is absent (None: no
+    operand, nothing read)."""
+    return refs["boundary"][...] if "boundary" in refs else jnp.zeros(shape, F32)
+
+
+def _outputs(geo: ScanGeometry, grid, want_last: bool):
+    """The walks' outputs: every chunk's value before its step, and (want_last) the value after the last."""
+    bsz, H, nc, Pp, Np = geo.batch, geo.heads, geo.n_chunks, geo.padded_headdim, geo.padded_state
+    outputs = [("each", jax.ShapeDtypeStruct((bsz, H, nc, Pp, Np), geo.stored_state_dtype), grid.chunk_states())]
+    if want_last:
+        outputs.append(("last", jax.ShapeDtypeStruct((bsz, H, Pp, Np), F32), grid.state()))
+    return outputs
+
+
+def walk_chunks(geo: ScanGeometry, ops: dict, boundary, *, adjoint: bool, want_last: bool = True):
     """config.state_passes == "walk": the contributions and their combine in one launch.
 
     One program per (batch row, head, block of walk_block_p headdim rows) walks the chunks (0..nc-1,
@@ -142,7 +159,8 @@ def walk_chunks(geo: ScanGeometry, ops: dict, boundary, *, adjoint: bool):
     The same sums as chunk_contributions + combine_chunks, with no contribution in HBM (K̃ or Q is
     read once per row block, i.e. Pp / walk_block_p times, mostly from L2).
 
-    Args: ops as for chunk_contributions; boundary [Bt, H, Pp, Np] f32 (S_0, or ∂L/∂S_final).
+    Args: ops as for chunk_contributions; boundary [Bt, H, Pp, Np] f32 (S_0, or ∂L/∂S_final) or None
+      (zero: no operand); want_last as combine_chunks.
     Returns: as combine_chunks.
     """
     grid = layout.StateGrid(geo, rows=geo.walk_block_p)
@@ -176,19 +194,18 @@ def walk_chunks(geo: ScanGeometry, ops: dict, boundary, *, adjoint: bool):
             refs["each"][chunk_at(k)] = x.astype(refs["each"].dtype)
             return decay.chunk * x + local, ahead
 
-        refs["last"][...] = jax.lax.fori_loop(0, nc, step, (refs["boundary"][...], operands(0)))[0]
+        last = jax.lax.fori_loop(0, nc, step, (_start(refs, (grid.block_p, Np)), operands(0)))[0]
+        if want_last:
+            refs["last"][...] = last
 
     Np = geo.padded_state
     inputs = [(key, ops[key], grid.head_sequence_rows(Np)), ("adt", ops["adt"], grid.head_sequence())]
     inputs += [(n, ops.get(n), grid.head_sequence_block()) for n in rows_names]
     inputs.append(("boundary", boundary, grid.state()))
-    bsz, H, Pp = geo.batch, geo.heads, geo.padded_headdim
-    outputs = [("each", jax.ShapeDtypeStruct((bsz, H, nc, Pp, Np), geo.stored_state_dtype), grid.chunk_states()),
-               ("last", jax.ShapeDtypeStruct((bsz, H, Pp, Np), F32), grid.state())]
-    out = layout.launch(body, geo, grid, inputs, outputs,
+    out = layout.launch(body, geo, grid, inputs, _outputs(geo, grid, want_last),
                         "mamba3_siso_bwd_adjoint_walk" if adjoint else "mamba3_siso_fwd_state_walk",
                         walk_warps(geo.config, adjoint))
-    return out["each"], out["last"]
+    return out["each"], out.get("last")
 
 
 def walk_warps(config, adjoint: bool) -> int:
@@ -202,7 +219,8 @@ def walk_warps(config, adjoint: bool) -> int:
 def forward_state_pass(geo: ScanGeometry, ops: dict):
     """(states entering every chunk [Bt, H, nc, Pp, Np], final state [Bt, H, Pp, Np] f32).
 
-    ops: as for chunk_contributions(adjoint=False), plus s0 [Bt, H, Pp, Np] f32 (S_0).
+    ops: as for chunk_contributions(adjoint=False), plus s0 [Bt, H, Pp, Np] f32 (S_0), or None for a zero
+    initial state (the walk then starts from zeros and reads none).
     """
     if geo.config.state_passes == "walk":
         return walk_chunks(geo, ops, ops["s0"], adjoint=False)
@@ -210,13 +228,15 @@ def forward_state_pass(geo: ScanGeometry, ops: dict):
     return combine_chunks(geo, local, chunk_decays(geo, ops["adt"]), ops["s0"], reverse=False)
 
 
-def adjoint_state_pass(geo: ScanGeometry, ops: dict, d_final):
+def adjoint_state_pass(geo: ScanGeometry, ops: dict, d_final, *, want_initial: bool = True):
     """(adjoints of the states leaving every chunk [Bt, H, nc, Pp, Np]: G_{c+1} for chunk c; adjoint
-    of the augmented initial state [Bt, H, Pp, Np]: G_0).
+    of the augmented initial state [Bt, H, Pp, Np]: G_0, or None when not want_initial).
 
-    ops: as for chunk_contributions(adjoint=True); d_final: [Bt, H, Pp, Np] f32 ∂L/∂S_final.
+    ops: as for chunk_contributions(adjoint=True); d_final: [Bt, H, Pp, Np] f32 ∂L/∂S_final, or None
+    (a zero cotangent: the final state unused); want_initial: False when there is no initial state to
+    differentiate (G_0 is then not written).
     """
     if geo.config.state_passes == "walk":
-        return walk_chunks(geo, ops, d_final, adjoint=True)
+        return walk_chunks(geo, ops, d_final, adjoint=True, want_last=want_initial)
     local = chunk_contributions(geo, ops, adjoint=True)
-    return combine_chunks(geo, local, chunk_decays(geo, ops["adt"]), d_final, reverse=True)
+    return combine_chunks(geo, local, chunk_decays(geo, ops["adt"]), d_final, reverse=True, want_last=want_initial)

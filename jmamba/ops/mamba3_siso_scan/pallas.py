@@ -87,7 +87,7 @@ def mamba3_siso_scan_pallas(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, z
             K = rms_norm(K, qk_norm.K_weight, qk_norm.eps, K.dtype)
     gamma, prev_weight, scale = trapezoid_weights(DT, Trap, F32)
     if initial_state is None:
-        angle0, s0 = jnp.zeros((bsz, H, S), F32), jnp.zeros((bsz, H, P, N), F32)
+        angle0, s0 = jnp.zeros((bsz, H, S), F32), None      # a zero state: the kernels read none
     else:
         state = Mamba3ScanState(*(x.astype(F32) for x in initial_state))
         angle0, s0 = state.angle, entering_ssm(state, prev_weight[:, 0])
