@@ -262,8 +262,8 @@ def stage_breakdown(shape, dims, chunk, config, iters, workers):
         return state_passes.chunk_contributions(geo, operands(args, qk, d_out), adjoint=True)
 
     def bwd_combine(args, local):
-        d_final = jnp.zeros((geo.batch, geo.heads, geo.padded_headdim, geo.padded_state), jnp.float32)
-        return state_passes.combine_chunks(geo, local, state_passes.chunk_decays(geo, args[10]), d_final,
+        # the op's call: the final state unused, so the adjoint starts from zeros with no boundary operand
+        return state_passes.combine_chunks(geo, local, state_passes.chunk_decays(geo, args[10]), None,
                                            reverse=True, want_last=args[12] is not None)[0]
 
     def bwd_chunks(args, qk, d_out, entering, leaving, stored):   # stored: the forward's kept products

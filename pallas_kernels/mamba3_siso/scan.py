@@ -114,10 +114,9 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, dt, angl
 def _run_core(geo: ScanGeometry, Qk, Kk, Q_bias, K_bias, scale, angles, dt, theta_entry, V, Z, adt, gamma, s0, D,
               angle0=None):
     """`chunked_core` on operands whose per-position arrays are already time-padded (Qk, Kk in the kernel
-    layout): the biases and s0 laid out (None: a zero initial state), V, Z padded (time, headdim), D zeros when
-    None. Returns (out
-    [Bt, Tp, H, Pp], final state [Bt, H, Pp, Np]) as the core does; with angle0 ([Bt, H, Sp], theta_entry
-    None) `chunked_core_with_angles`, and θ_final [Bt, H, Sp] third."""
+    layout): the biases and s0 laid out (None: a zero initial state), V, Z padded (time, headdim), D zeros
+    when None. Returns (out [Bt, Tp, H, Pp], final state [Bt, H, Pp, Np]) as the core does; with angle0
+    ([Bt, H, Sp], theta_entry None) `chunked_core_with_angles`, and θ_final [Bt, H, Sp] third."""
     H = V.shape[2]
     core, entry = (chunked_core, theta_entry) if angle0 is None else (chunked_core_with_angles, angle0)
     return core(

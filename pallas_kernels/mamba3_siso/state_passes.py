@@ -124,9 +124,7 @@ def combine_chunks(geo: ScanGeometry, contributions, decays, boundary, *, revers
 
     inputs = [("decay", decays, grid.chunk_scalars()), ("local", contributions, grid.chunk_states()),
               ("boundary", boundary, grid.state())]
-    bsz, H, Pp, Np = geo.batch, geo.heads, geo.padded_headdim, geo.padded_state
-    outputs = _outputs(geo, grid, want_last)
-    out = layout.launch(body, geo, grid, inputs, outputs,
+    out = layout.launch(body, geo, grid, inputs, _outputs(geo, grid, want_last),
                         "mamba3_siso_bwd_adjoint_combine" if reverse else "mamba3_siso_fwd_state_combine",
                         geo.config.num_warps_state)
     return out["each"], out.get("last")
@@ -139,7 +137,8 @@ def _start(refs, shape):
 
 
 def _outputs(geo: ScanGeometry, grid, want_last: bool):
-    """The walks' outputs: every chunk's value before its step, and (want_last) the value after the last."""
+    """The outputs of a walk or combine: every chunk's value before its step, and (want_last) the value
+    after the last."""
     bsz, H, nc, Pp, Np = geo.batch, geo.heads, geo.n_chunks, geo.padded_headdim, geo.padded_state
     outputs = [("each", jax.ShapeDtypeStruct((bsz, H, nc, Pp, Np), geo.stored_state_dtype), grid.chunk_states())]
     if want_last:
