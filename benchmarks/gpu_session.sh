@@ -240,6 +240,9 @@ for s in $stages; do case $s in
   conv_tests)  run gpu_tests_conv 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_causal_conv_pallas.py -rA ;;
   m1_keep_tests) run gpu_tests_m1_kept_activations 150 python3 -m pytest -q -p no:cacheprovider tests/test_mamba1_mixer_core.py -k "kept or checked or reaches" -rA ;;
   e2e3x)       train_steps mamba3 ${E2E3_CFGS:-default} ;;
+  m3_ab)       for sh in ${M3_SHAPES:-b8t2048 b32t512}; do for tree in ${M3_TREES:-.old}; do tag=$(echo "$tree" | tr -d .)   # A/B against older trees (git archive, carried)
+                 PYTHONPATH=$PWD/$tree run m3_profile_${sh}_per_head_$tag 60 python3 $tree/benchmarks/profile_kernels.py mamba3 --shape $sh --per-head-angles --iters 10 ; done; done ;;
+  gpu_k)       run gpu_tests_k ${GPU_K_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -k "$GPU_K" -rA --durations=10 ;;
   m3_profx)    for sh in ${M3_SHAPES:-b8t2048 b32t512}; do for cfg in ${M3_CFGS:-default}; do tag=$(echo "$cfg" | tr '=,' '__'); [ "$cfg" = default ] && cfg=""
                  run m3_profile_${sh}_per_head_$tag 60 python3 benchmarks/profile_kernels.py mamba3 --shape $sh --per-head-angles --iters 10 ${cfg:+--scan-config $cfg} ; done; done ;;
   e2e3_fastrot) train_steps mamba3 default fast_rotation=True ;;

@@ -521,6 +521,71 @@ def test_fresh_sequence_equals_explicit_zero_states(shape):
     _assert_bit_identical(*_fresh_against_explicit_zeros(shape, jnp.float32, 16))
 
 
+# (Bt, T, H, G, N, P, S) where the kernel layout of d_state is a pure permutation (S a power of two >= 8,
+# N a power of two): Q, K, the biases and their gradients cross the kernels in the op's order there
+OP_ORDER_CASES = [("per-head-angles-groups-f32", (2, 40, 4, 2, 32, 16, 8), jnp.float32, False, 2e-5),
+                  ("shared-angles-fullrope-bf16", (1, 40, 2, 1, 16, 16, 8), jnp.bfloat16, True, 2e-2)]
+
+
+@pytest.mark.parametrize("shape,dtype,shared,tol", [c[1:] for c in OP_ORDER_CASES], ids=[c[0] for c in OP_ORDER_CASES])
+def test_op_order_matches_reference_and_the_kernel_layout_bit_for_bit(shape, dtype, shared, tol):
+    """config.qk_op_order (strided column loads and stores of the even and odd dims) against the reference
+    (every value and cotangent, the four states included) and bit for bit against the same kernels fed
+    the permuted kernel layout by XLA (qk_op_order=False)."""
+    bsz, T, H, G, N, P, S = shape
+    geo = lambda cfg: make_geometry(batch=bsz, seqlen=T, heads=H, groups=G, headdim=P, d_state=N, num_angles=S,
+                                    chunk_size=16, has_z=True, matmul_dtype=dtype, io_dtype=dtype, config=cfg,
+                                    shared_angles=shared)
+    assert geo(Mamba3ScanConfig()).qk_op_order_fits and not geo(Mamba3ScanConfig(qk_op_order=False)).qk_op_order_fits
+    arrays, states = make_inputs(shape, dtype, seed=40)
+    if shared:
+        arrays["Angles"] = arrays["Angles"][:, :, :1]
+    on = check_against_reference(arrays, states, 16, tol)
+    off = check_against_reference(arrays, states, 16, tol, config=Mamba3ScanConfig(qk_op_order=False))
+    _assert_bit_identical(on, off)
+
+
+@pytest.mark.parametrize("shape,shared", [((2, 40, 4, 2, 32, 16, 8), False), ((2, 37, 4, 2, 8, 3, 2), True)],
+                         ids=["op-order-per-head-angles", "kernel-layout-shared-angles"])
+def test_position_major_qk_copies_from_the_forward_match_reference_bit_for_bit(shape, shared):
+    """config.qk_columns_from_forward (the forward query/key kernel writes Q, K position-major for the
+    gradient kernel, no XLA transposes): every value and cotangent against the reference, and bit for
+    bit against XLA's transposes (the default)."""
+    arrays, states = make_inputs(shape, jnp.float32, seed=42)
+    if shared:
+        arrays["Angles"] = arrays["Angles"][:, :, :1]
+    copies = check_against_reference(arrays, states, 16, 2e-5, config=Mamba3ScanConfig(qk_columns_from_forward=True))
+    _assert_bit_identical(copies, check_against_reference(arrays, states, 16, 2e-5))
+
+
+@pytest.mark.parametrize("N,S,config,fits", [
+    (128, 32, Mamba3ScanConfig(), True),                        # the model's d_state and rope
+    (16, 8, Mamba3ScanConfig(), True),                          # no unrotated dims
+    (8, 2, Mamba3ScanConfig(), False),                          # the pieces padded 2 -> 8
+    (48, 8, Mamba3ScanConfig(), False),                         # the rest padded 32 -> 48 -> N = 64
+    (128, 32, Mamba3ScanConfig(qk_gradients_transposed=False), False),   # the row-major gradient kernel
+    (128, 32, ROTATE_IN_CHUNKS, False),                         # the chunk launches rotate back
+    (128, 32, Mamba3ScanConfig(qk_op_order=False), False)])
+def test_op_order_runs_only_where_it_applies(N, S, config, fits):
+    geo = make_geometry(batch=1, seqlen=64, heads=2, groups=1, headdim=16, d_state=N, num_angles=S, chunk_size=64,
+                        has_z=True, matmul_dtype=jnp.bfloat16, io_dtype=jnp.bfloat16, config=config, shared_angles=True)
+    assert geo.qk_op_order_fits == fits
+
+
+def test_op_order_leaves_no_permutation_to_xla():
+    """With the op's order in the kernels, the lowered forward+backward lacks XLA's permutations of Q, K and
+    the biases into the kernel layout (4 concatenates of strided slices) and of dQ, dK and the bias
+    gradients out of it (their transposes: slices, pads and adds); the launches are the same."""
+    shape = (2, 64, 4, 1, 32, 32, 8)
+    on = _lower_for_h200(shape, jnp.bfloat16)
+    off = _lower_for_h200(shape, jnp.bfloat16, config=Mamba3ScanConfig(qk_op_order=False))
+    assert on.count("__gpu$xla.gpu.triton") == off.count("__gpu$xla.gpu.triton")
+    count = lambda text, op: text.count(f"stablehlo.{op}")
+    assert count(on, "concatenate") <= count(off, "concatenate") - 4
+    for op in ("pad", "slice"):    # 4 arrays in and 4 out, each with an even and an odd piece
+        assert count(on, op) <= count(off, op) - 8, op
+
+
 def test_stored_products_are_kept_only_for_a_backward():
     """The chunk-output kernel writes the scores and ungated output only when asked for the backward
     (core._core_fwd asks, the plain forward does not), in the dot operand dtype and float32, one [L]
@@ -620,7 +685,7 @@ def test_query_key_kernels_match_their_pure_jax_reference(N, S, G, H, splits, sh
         return q, k, queries_keys.head_diagonal(geo, Q, K, Q_bias, K_bias)
 
     want, vjp = jax.vjp(reference, *args)
-    q, k, theta, diagonal = queries_keys.head_queries_keys_kernel(geo, *args)
+    q, k, theta, diagonal, _, _ = queries_keys.head_queries_keys_kernel(geo, *args)
     for name, g, w in zip(("q", "k", "diagonal"), (q, k, diagonal), want):
         assert_close(name, g, w, 4e-6)
     # ⟨q̄_h, k̄_h⟩ from the op's own layout (N columns, no kernel layout): the padding adds nothing
@@ -1271,6 +1336,32 @@ def test_gpu_fresh_sequence_equals_explicit_zero_states_at_the_perf_shape():
     """The walks without boundary operands (no initial state, the final state unused: the op benchmark's
     and the train step's case) against zero states read from HBM, bit for bit, per-head angles."""
     _assert_bit_identical(*_fresh_against_explicit_zeros((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, 64))
+
+
+@pytest.mark.gpu
+def test_gpu_op_order_equals_the_kernel_layout_at_the_perf_shape():
+    """Q, K in the op's d_state order (strided column loads / stores, the default there) against the
+    same kernels fed the permuted kernel layout, bit for bit (forward and every cotangent), shared angles."""
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=41)
+    arrays["Angles"] = arrays["Angles"][:, :, :1]
+    present = tuple(k for k in ARRAYS if arrays[k] is not None)
+    vals = tuple(arrays[k] for k in present)
+    d_out, d_final = cotangents(arrays)
+    run = lambda cfg: _value_and_vjp(mamba3_siso_scan_pallas, present, Mamba3ScanTuning(chunk_size=64, pallas_config=cfg),
+                                     vals, states, d_out, d_final)
+    _assert_bit_identical(run(None), run(Mamba3ScanConfig(qk_op_order=False)))
+
+
+@pytest.mark.gpu
+def test_gpu_position_major_qk_copies_from_the_forward_at_the_perf_shape():
+    """config.qk_columns_from_forward against XLA's transposes of Q, K, bit for bit, per-head angles."""
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16, seed=43)
+    present = tuple(k for k in ARRAYS if arrays[k] is not None)
+    vals = tuple(arrays[k] for k in present)
+    d_out, d_final = cotangents(arrays)
+    run = lambda cfg: _value_and_vjp(mamba3_siso_scan_pallas, present, Mamba3ScanTuning(chunk_size=64, pallas_config=cfg),
+                                     vals, states, d_out, d_final)
+    _assert_bit_identical(run(Mamba3ScanConfig(qk_columns_from_forward=True)), run(None))
 
 
 @pytest.mark.gpu

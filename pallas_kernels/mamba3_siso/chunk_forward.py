@@ -32,7 +32,9 @@ def chunk_inputs(geo: ScanGeometry, grid: layout.ChunkGrid, ops: dict, names) ->
     """(name, array, BlockSpec) of the chunk-grid operands among `names` (absent ones skipped)."""
     specs = {"q": grid.head_rows(geo.padded_state), "k": grid.head_rows(geo.padded_state),
              "v": grid.head_rows(geo.padded_headdim), "z": grid.head_rows(geo.padded_headdim),
-             "d_out": grid.head_rows(geo.padded_headdim), "adt": grid.sequence(), "skip": grid.sequence(),
+             "d_out": grid.head_rows(geo.padded_headdim), "adt": grid.sequence(),
+             # per position [Bt, Tp, H], or one weight per head [H, 1] (D alone: skip_in_scores)
+             "skip": grid.head_vector(1) if ops.get("skip") is not None and ops["skip"].ndim == 2 else grid.sequence(),
              "scores": grid.head_rows(geo.chunk), "ungated": grid.head_rows(geo.padded_headdim),
              "diag_weight": grid.sequence()}
     return [(n, ops[n], specs[n]) for n in names if ops.get(n) is not None]
@@ -41,7 +43,7 @@ def chunk_inputs(geo: ScanGeometry, grid: layout.ChunkGrid, ops: dict, names) ->
 def chunk_output(geo: ScanGeometry, decay: ChunkDecay, lam, q, k, v, skip, state):
     """(Y [L, Pp] float32, the masked scores (Q·K̃ᵀ) ⊙ Λ [L, L] float32) of one chunk.
 
-    q, k: [L, Np] queries and scaled keys; v: [L, Pp] in its own dtype; skip: [L]; state: [Pp, Np].
+    q, k: [L, Np] queries and scaled keys; v: [L, Pp] in its own dtype; skip: [L] (or [1]: one weight for the head); state: [Pp, Np].
     """
     mm = geo.matmul_dtype
     scores = dot(q, k, mm, trans_b=True) * lam
@@ -63,7 +65,7 @@ def chunk_outputs(geo: ScanGeometry, ops: dict, entering, *, for_backward: bool 
     """The chunk outputs (after the state pass).
 
     Args:
-      ops: q, k [Bt, Tp, H, Np] (dot operand dtype), v, z (or None) [Bt, Tp, H, Pp], adt, skip [Bt, Tp, H].
+      ops: q, k [Bt, Tp, H, Np] (dot operand dtype), v, z (or None) [Bt, Tp, H, Pp], adt, skip [Bt, Tp, H] (or [H, 1], D alone).
       entering: [Bt, H, nc, Pp, Np] states entering each chunk.
       for_backward: also return the products `stores` names, for the backward.
 

@@ -120,6 +120,20 @@ class Mamba3ScanConfig:
         at the benchmark shape). The same sums in another order. H100, session 36: the kernel
         414 → 297 µs per op call, but XLA's sums (cos and sin of θ, four reductions) ~280: a net loss
         of ~160 µs; off.
+      qk_op_order: the query/key kernels read Q, K and their biases in the op's d_state order and the
+        gradient kernel writes dQ, dK (in Q's dtype when one program owns a group's heads) and the bias
+        gradients in it, the even and odd pieces of the kernel layout (above) as strided column loads
+        and stores, where that layout is a pure permutation of d_state (Sp = S, Np = N: S a power of
+        two >= 8, N a power of two) and the query/key gradient kernel is the position-major one
+        (ScanGeometry.qk_op_order_fits). Removes XLA's permutations of Q, K and the biases into the
+        kernel layout and of dQ, dK and the bias gradients out of it (with a group's heads in one
+        program, also the float32 dQ, dK and their casts): 8 small launches per op call. The same
+        arithmetic on the same values: bit-identical results. On by default (untimed on a GPU yet).
+      qk_columns_from_forward: for a backward, the forward query/key kernel also writes Q and K
+        position-major ([Bt, G, Np, Tp], each program's [L, Np] tile transposed once before its head
+        loop) for the position-major gradient kernel, which then needs no XLA transposes of them (kept
+        as the residuals in place of Q, K: same bytes). Needs one program per group (qk_head_splits 1)
+        and the position-major gradient kernel (ScanGeometry.qk_columns_from_forward). Untimed: off.
       qk_head_splits: the heads of a group are split over this many programs of the query/key kernels
         (the largest divisor of heads-per-group not above it is used): more programs in flight, and
         as many partial group sums of dQ, dK for XLA to add. 1 by default since session 31 (H100, train
@@ -264,6 +278,8 @@ class Mamba3ScanConfig:
     position_major_d_angles: bool = False
     angle_gradient_pass: bool = True
     num_warps_angle_pass: int = 4
+    qk_op_order: bool = True
+    qk_columns_from_forward: bool = False
     qk_head_splits: int = 1
     num_stages: int = 1
     min_width: int = 16
@@ -337,7 +353,7 @@ class Mamba3ScanConfig:
         if self.stored_for_keys is True and not self.stored_scores:
             raise ValueError("Mamba3ScanConfig.stored_for_keys=True needs stored_scores=True")
         for name in ("adt_in_values", "keys_with_queries", "state_dot_with_keys", "bias_gradients_by_xla", "transposed_gradient_dots", "stored_theta",
-                     "position_major_d_angles", "angle_gradient_pass", "rotate_in_chunk_gradients", "skip_in_scores",
+                     "position_major_d_angles", "angle_gradient_pass", "qk_op_order", "qk_columns_from_forward", "rotate_in_chunk_gradients", "skip_in_scores",
                      "fast_rotation", "fast_math", "fuse_qk_norm", "fuse_projection"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")
@@ -398,6 +414,8 @@ class ScanGeometry:
       config: the launch parameters.
       interpret: run the kernels in the Pallas interpreter (CPU).
       shared_angles: the raw angles are shared by the heads ([Bt, T, 1, S], the model's case).
+      qk_op_order: Q, K, their biases and gradients cross the kernels in the op's d_state order
+        (config.qk_op_order where `qk_op_order_fits`; set by the caller that passes them so, scan.py).
     """
 
     batch: int
@@ -418,6 +436,7 @@ class ScanGeometry:
     config: Mamba3ScanConfig
     interpret: bool = False
     shared_angles: bool = False
+    qk_op_order: bool = False
 
     @property
     def n_chunks(self) -> int:
@@ -432,6 +451,24 @@ class ScanGeometry:
         """Programs sharing the heads of one group in the query/key kernels (divides heads_per_group)."""
         hpg = self.heads_per_group
         return max(d for d in range(1, min(self.config.qk_head_splits, hpg) + 1) if hpg % d == 0)
+
+    @property
+    def qk_op_order_fits(self) -> bool:
+        """Whether Q, K can cross the query/key kernels in the op's d_state order (config.qk_op_order):
+        the kernel layout is a pure permutation of d_state (no padding of the even / odd pieces or of
+        the rest) and the only kernels that read Q, K are the forward query/key kernel and the
+        position-major gradient kernel (not the row-major one, the rotation in the chunk-gradient
+        launches or XLA's bias sums)."""
+        S, N = self.num_angles, self.d_state
+        return (self.config.qk_op_order and S > 0 and self.angle_width == S and self.padded_state == N
+                and self.qk_grad_position_major and not self.config.rotate_in_chunk_gradients)
+
+    @property
+    def qk_columns_from_forward(self) -> bool:
+        """config.qk_columns_from_forward where it applies: one program per group in the query/key kernels
+        and the position-major gradient kernel (the chunk launches not rotating back)."""
+        return (self.config.qk_columns_from_forward and self.qk_splits == 1 and self.qk_grad_position_major
+                and not self.config.rotate_in_chunk_gradients)
 
     @property
     def qk_grad_position_major(self) -> bool:

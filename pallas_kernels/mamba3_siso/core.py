@@ -30,7 +30,8 @@ differentiated by JAX): for the padded operands in the kernel layout of config.p
 formed inside it and one more backward kernel (entry_angles.angle_gradients) finishing the angles' and
 DT's gradients.
 
-Residuals: the inputs, the per-head q, k̃ (dot operand dtype, [Bt, Tp, H, Np]), ⟨q̄, k̄⟩ ([Bt, Tp, H]
+Residuals: the inputs (Q, K as the forward query/key kernel's position-major copies, [Bt, G, Np, Tp], with
+config.qk_columns_from_forward), the per-head q, k̃ (dot operand dtype, [Bt, Tp, H, Np]), ⟨q̄, k̄⟩ ([Bt, Tp, H]
 float32), the wrapped angle
 at every position θ ([Bt, Tp, H, Sp] float32, or [Bt, H, Sp, Tp] position-major for the position-major
 gradient kernel with stored_theta / angle_gradient_pass; none when that kernel forms θ again) and the
@@ -108,23 +109,25 @@ def diagonal_weight(gamma, scale):
 
 
 def skip_operands(geo, D, gamma, scale, diagonal):
-    """(skip [Bt, Tp, H], diagonal weight or None): D + γ⟨q̄, k̄⟩ as a per-position weight of V, or, with
-    config.skip_in_scores, D there and γ/s on the scores' diagonal."""
+    """(skip, diagonal weight or None): D + γ⟨q̄, k̄⟩ [Bt, Tp, H] as a per-position weight of V, or, with
+    config.skip_in_scores, D alone as one weight per head ([H, 1]: the chunk kernels load their head's)
+    and γ/s on the scores' diagonal."""
     if geo.config.skip_in_scores:
-        return D.astype(F32) + jnp.zeros_like(gamma), diagonal_weight(gamma, scale)
+        return D.astype(F32).reshape(-1, 1), diagonal_weight(gamma, scale)
     return skip_term(D, gamma, diagonal), None
 
 
 def _forward(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D, *, for_backward=False):
     # θ at every position is kept for the backward unless its query/key gradient kernel forms it itself
     keep_theta = for_backward and not (recomputes_theta(geo) and not geo.config.rotate_in_chunk_gradients)
-    q, k, theta, diagonal = head_queries_keys_kernel(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry,
-                                                     keep_theta=keep_theta)
+    keep_columns = for_backward and geo.qk_columns_from_forward
+    q, k, theta, diagonal, Q_cols, K_cols = head_queries_keys_kernel(
+        geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, keep_theta=keep_theta, keep_columns=keep_columns)
     skip, weight = skip_operands(geo, D, gamma, scale, diagonal)
     ops = kernel_operands(q, k, v, z, adt, skip, s0=s0, diag_weight=weight)
     entering, final = state_passes.forward_state_pass(geo, ops)
     out, stored = chunk_forward.chunk_outputs(geo, ops, entering, for_backward=for_backward)
-    return out, final, (q, k, theta, diagonal, entering, stored)
+    return out, final, (q, k, theta, diagonal, entering, stored, Q_cols, K_cols)
 
 
 def _values(args):
@@ -149,8 +152,10 @@ def _core_fwd_values(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, 
 
 
 def _core_forward(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D):
-    out, final, (q, k, theta, diagonal, entering, stored) = _forward(
+    out, final, (q, k, theta, diagonal, entering, stored, Q_cols, K_cols) = _forward(
         geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D, for_backward=True)
+    if Q_cols is not None:      # the backward reads Q, K only position-major (config.qk_columns_from_forward)
+        Q, K = Q_cols, K_cols
     # a zero-size marker: whether an initial state was given (None is kept by the residuals' pytree)
     has_initial = None if s0 is None else jnp.zeros((0,), F32)
     return (out, final), (Q, K, Q_bias, K_bias, scale, angles, dt, theta, theta_entry if theta is None else None,
@@ -175,7 +180,8 @@ def _core_bwd(geo, residuals, cotangents):
         g = chunk_backward.chunk_gradients(geo, ops, entering, leaving)
         dQ, dK, dQ_bias, dK_bias, d_scale, d_angles, d_dt, d_entry = query_key_gradients(
             geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta, g["dq"], g["dk"],
-            d_diagonal=None if weight is not None else g["d_skip"] * gamma, theta_entry=theta_entry)
+            d_diagonal=None if weight is not None else g["d_skip"] * gamma, theta_entry=theta_entry,
+            qk_position_major=geo.qk_columns_from_forward)
     d_skip = g["d_skip"]      # ⟨dY_i, v_i⟩: the gradient of skip, and of γ⟨q̄, k̄⟩ per unit of it
     if weight is not None:
         # the term is w·⟨q_i, k̃_i⟩ with w = γ/s: dw = d skip·s⟨q̄, k̄⟩, so dγ = dw/s = d skip·⟨q̄, k̄⟩ (as

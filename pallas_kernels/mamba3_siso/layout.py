@@ -261,6 +261,18 @@ class GroupGrid:
         return pl.BlockSpec((None, None, None, None, self.heads_per_slice, width), lambda p: self.index(p) + (0, 0))
 
 
+def piece_columns(geo: ScanGeometry, start, width):
+    """The columns of Q, K, their biases or gradients that hold the kernel-layout piece [start, start +
+    width) (one of geo.pieces): that range itself in the kernel layout, and with `geo.qk_op_order` (the
+    arrays in the op's d_state order, where the kernel layout is a pure permutation: Sp = S) the
+    strided range of the even (2a) or odd (2a + 1) dims for the two rotated pieces, the same range for
+    the rest."""
+    Sp = geo.angle_width
+    if not geo.qk_op_order or start >= 2 * Sp:
+        return pl.ds(start, width)
+    return pl.ds(2 * start if start < Sp else 2 * (start - Sp) + 1, width, stride=2)
+
+
 def launch(body, geo: ScanGeometry, grid, inputs, outputs, name, num_warps):
     """`common.launch.run_kernel` over `grid` (a ChunkGrid, StateGrid or GroupGrid) with `num_warps`
     (each kernel has its own field in Mamba3ScanConfig) and the call's `num_stages` and interpret flag.

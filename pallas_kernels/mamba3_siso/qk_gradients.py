@@ -53,8 +53,9 @@ from pallas_kernels.mamba3_siso.queries_keys import angles_operand
 
 
 def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, dt, theta, dq, dk, d_diagonal=None,
-                        theta_entry=None):
-    """Args (kernel layout, config.py):
+                        theta_entry=None, qk_position_major=False):
+    """Args (kernel layout, config.py; Q, K, their biases and dQ, dK, dQ_bias, dK_bias in the op's d_state
+    order instead with `geo.qk_op_order`):
       Q, K: [Bt, Tp, G, Np] activation dtype; Q_bias, K_bias: [H, Np] float32; scale: [Bt, Tp, H] float32;
       angles: [Bt, Tp, 1 or H, Sp], dt: [Bt, Tp, H] and theta: [Bt, Tp, H, Sp] float32 (the op's raw
         angles and DT, as for queries_keys.head_queries_keys_kernel, and the wrapped angle at every
@@ -62,12 +63,15 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
       dq, dk: [Bt, Tp, H, Np] gradients of q, k̃ (float32, or the dot operand dtype: read as float32).
       d_diagonal: [Bt, Tp, H] float32 gradient of ⟨q̄_h, k̄_h⟩ (queries_keys.head_diagonal), or None (no
         such term): adds d_diagonal·k̄_h to dx̄_h and d_diagonal·q̄_h to dȳ_h, hence to dQ, dK and the biases.
+      qk_position_major: Q, K are given position-major, [Bt, G, Np, Tp] (the forward kernel's copies,
+        config.qk_columns_from_forward; only for the position-major kernel).
       With config.qk_gradients_transposed (qk_gradients_transposed.py): dq, dk are [Bt, H, Np, Tp]
         (position-major), and θ may be None with theta_entry [Bt, nc, H, Sp] (θ recomputed there) or,
         with config.stored_theta, position-major [Bt, H, Sp, Tp].
 
     Returns:
-      (dQ, dK [Bt, Tp, G, Np] float32, dQ_bias, dK_bias [H, Np] float32, d_scale [Bt, Tp, H] float32,
+      (dQ, dK [Bt, Tp, G, Np] float32 (Q's dtype from the position-major kernel when one program owns a
+       group's heads, qk_head_splits), dQ_bias, dK_bias [H, Np] float32, d_scale [Bt, Tp, H] float32,
        d_angles (angles' shape), d_dt [Bt, Tp, H] and d_theta_entry [Bt, nc, H, Sp] float32, or all three
        None). With `geo.angle_pass` (config.angle_gradient_pass) d_angles is the in-chunk reverse sums of
        dθ, position-major [Bt, H, Sp, Tp], and d_dt is None: entry_angles.angle_gradients finishes them.
@@ -144,13 +148,15 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
             refs["dQ"][:, pl.ds(start, width)] = dq_sum[n]
             refs["dK"][:, pl.ds(start, width)] = dk_sum[n]
 
-    bsz, Tp, G, Np = Q.shape
+    bsz, Tp, G, Np = geo.batch, geo.padded_seqlen, geo.groups, geo.padded_state
     H, Sp = geo.heads, geo.angle_width
+    if qk_position_major and not geo.qk_grad_position_major:
+        raise ValueError("query_key_gradients: Q, K position-major need the position-major kernel")
     nc, nb = geo.n_chunks, grid.blocks // geo.n_chunks
 
     if geo.qk_grad_position_major:
         out = query_key_gradients_transposed(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta, dq, dk, d_diagonal,
-                                             theta_entry)
+                                             theta_entry, qk_position_major=qk_position_major)
     else:
         slices = (G, grid.splits, grid.heads_per_slice)
         inputs = [("Q", Q, grid.group_rows()), ("K", K, grid.group_rows()),
@@ -183,7 +189,9 @@ def query_key_gradients(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, 
         dQ_bias, dK_bias = out["dqb"].sum(axis=(0, 1)).reshape(H, Np), out["dkb"].sum(axis=(0, 1)).reshape(H, Np)
     else:
         dQ_bias, dK_bias = bias_gradients(geo, Q, K, Q_bias, K_bias, scale, theta, dq, dk, d_diagonal)
-    return (out["dQ"].sum(axis=3), out["dK"].sum(axis=3), dQ_bias, dK_bias,
+    # the partial group sums over the slices of a group's heads (one slice: the kernel's dQ, dK as they are)
+    group_sum = (lambda x: x.reshape(bsz, Tp, G, Np)) if grid.splits == 1 else (lambda x: x.sum(axis=3))
+    return (group_sum(out["dQ"]), group_sum(out["dK"]), dQ_bias, dK_bias,
             out["d_scale"].reshape(bsz, Tp, H), d_angles, d_dt, d_entry)
 
 

@@ -79,10 +79,11 @@ def recomputes_theta(geo: ScanGeometry) -> bool:
 
 
 def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, dt, theta, dq, dk,
-                                   d_diagonal=None, theta_entry=None):
+                                   d_diagonal=None, theta_entry=None, qk_position_major=False):
     """The kernel of qk_gradients.query_key_gradients on position-major tiles.
 
-    Args: as qk_gradients.query_key_gradients, except dq, dk [Bt, H, Np, Tp] position-major (the chunk
+    Args: as qk_gradients.query_key_gradients (Q, K [Bt, Tp, G, Np], or with qk_position_major already
+      [Bt, G, Np, Tp]), except dq, dk [Bt, H, Np, Tp] position-major (the chunk
       launch's position-major output), and θ: the stored angles, [Bt, H, Sp, Tp] when
       `geo.theta_position_major`, else [Bt, Tp, H, Sp], or None with theta_entry [Bt, nc, H, Sp] (the
       chunk-entry angles) when `recomputes_theta(geo)`.
@@ -105,13 +106,14 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
         raise ValueError("query_key_gradients_transposed: the angle gradient pass needs θ stored position-major")
     with_diagonal = d_diagonal is not None
     by_matmul = geo.angle_sums_by_matmul
+    op_cols = lambda start, width: layout.piece_columns(geo, start, width)   # Q, K, biases, dQ, dK, bias partials
 
     def body(refs):
         def group_cols(ref):    # the block's group rows as [width, rows] pieces
-            return {n: ref[pl.ds(start, width), :].astype(F32) for n, start, width in pieces}
+            return {n: ref[op_cols(start, width), :].astype(F32) for n, start, width in pieces}
 
         def biased(cols, bias_ref, head):
-            return {n: cols[n] + bias_ref[head, pl.ds(start, width)][:, None] for n, start, width in pieces}
+            return {n: cols[n] + bias_ref[head, op_cols(start, width)][:, None] for n, start, width in pieces}
 
         q_cols, k_cols = group_cols(refs["Q"]), group_cols(refs["K"])
         # the shared rate π·tanh(angles) [Sp, rows]; its slope is formed after the head loop (not held through it)
@@ -157,8 +159,8 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
                 if with_diagonal:
                     gq[n] = gq[n] + c * y[n]
                     dk_bar = dk_bar + c * x[n]
-                refs["dqb"][j, pl.ds(start, width)] = jnp.sum(gq[n], axis=1)
-                refs["dkb"][j, pl.ds(start, width)] = jnp.sum(dk_bar, axis=1)
+                refs["dqb"][j, op_cols(start, width)] = jnp.sum(gq[n], axis=1)
+                refs["dkb"][j, op_cols(start, width)] = jnp.sum(dk_bar, axis=1)
                 dq_sum[n] = dq_sum[n] + gq[n]
                 dk_sum[n] = dk_sum[n] + dk_bar
             if rotated:
@@ -185,15 +187,16 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
             d_rate = d_rate_sum * angle_rate_and_slope(refs["angles"][...])[1]
             refs["d_angles"][...] = d_rate if d_angles_cols else d_rate.T
         for n, start, width in pieces:
-            refs["dQ"][:, pl.ds(start, width)] = dq_sum[n].T
-            refs["dK"][:, pl.ds(start, width)] = dk_sum[n].T
+            refs["dQ"][:, op_cols(start, width)] = dq_sum[n].T.astype(refs["dQ"].dtype)
+            refs["dK"][:, op_cols(start, width)] = dk_sum[n].T.astype(refs["dK"].dtype)
 
-    bsz, _, G, Np = Q.shape
+    bsz, G, Np = geo.batch, geo.groups, geo.padded_state
     Sp = geo.angle_width
     slices = (G, grid.splits, grid.heads_per_slice)
     per_slice = grid.per_slice_cols                                      # [Bt, H, w, Tp] -> [Bt, G, sl, hps, w, Tp] (free)
     positions_last = lambda x: jnp.moveaxis(x, 1, 3)                    # [Bt, Tp, G or H, w] -> [Bt, G or H, w, Tp]
-    inputs = [("Q", positions_last(Q), _group_cols(grid)), ("K", positions_last(K), _group_cols(grid)),
+    cols = (lambda x: x) if qk_position_major else positions_last     # XLA's transposes unless the forward's copies
+    inputs = [("Q", cols(Q), _group_cols(grid)), ("K", cols(K), _group_cols(grid)),
               ("Q_bias", Q_bias.reshape(slices + (Np,)), grid.biases()),
               ("K_bias", K_bias.reshape(slices + (Np,)), grid.biases()),
               ("scale", grid.per_head(scale), grid.head_scalars()),
@@ -209,7 +212,10 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
         else:                      # [Bt, Tp, H, Sp] -> [Bt, H, Sp, Tp]
             inputs.append(("angles", per_slice(positions_last(angles)), grid.head_cols(Sp)))
         inputs.append(("dt", grid.per_head(dt), grid.head_scalars()))
-    outputs = kernel_outputs(grid, bsz, G, rotated=rotated, shared_angles=shared_angles, biases=True)
+    # one program per group (no partial sums for XLA to add): dQ, dK in Q's dtype, rounded once as before
+    group_dtype = Q.dtype if grid.splits == 1 else F32
+    outputs = kernel_outputs(grid, bsz, G, rotated=rotated, shared_angles=shared_angles, biases=True,
+                             group_dtype=group_dtype)
     if angle_pass:                     # d inc [Bt, G, sl, hps, Sp, Tp] instead of d angles and d DT
         outputs = [(name, shape, spec) for name, shape, spec in outputs if name not in ("d_angles", "d_dt")]
         outputs.append(("d_inc", jax.ShapeDtypeStruct((bsz,) + slices + (Sp, geo.padded_seqlen), F32),
@@ -226,15 +232,15 @@ def query_key_gradients_transposed(geo: ScanGeometry, Q, K, Q_bias, K_bias, scal
     return out
 
 
-def kernel_outputs(grid: layout.GroupGrid, bsz, G, *, rotated, shared_angles, biases):
+def kernel_outputs(grid: layout.GroupGrid, bsz, G, *, rotated, shared_angles, biases, group_dtype=F32):
     """The (name, ShapeDtypeStruct, BlockSpec) outputs of both query/key gradient kernels (this module's
-    and qk_gradients.py's, which write the same arrays): the slice's dQ, dK rows, d s per head, the
-    per-block bias partials (`biases`), and with angles d angles (per slice when shared by the heads,
-    per head otherwise), d DT and the per-block dθ_entry partials; all float32."""
+    and qk_gradients.py's, which write the same arrays): the slice's dQ, dK rows (in `group_dtype`), d s
+    per head, the per-block bias partials (`biases`), and with angles d angles (per slice when shared by
+    the heads, per head otherwise), d DT and the per-block dθ_entry partials; the rest float32."""
     geo = grid.geo
     Tp, Np, Sp = geo.padded_seqlen, geo.padded_state, geo.angle_width
     slices = (G, grid.splits, grid.heads_per_slice)
-    slice_sums = jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Np), F32)
+    slice_sums = jax.ShapeDtypeStruct((bsz, Tp, G, grid.splits, Np), group_dtype)
     outputs = [("dQ", slice_sums, grid.slice_rows()), ("dK", slice_sums, grid.slice_rows()),
                ("d_scale", jax.ShapeDtypeStruct((bsz, Tp) + slices, F32), grid.head_scalars())]
     if biases:

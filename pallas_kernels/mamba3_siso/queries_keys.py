@@ -115,7 +115,7 @@ def head_diagonal(geo: ScanGeometry, Q, K, Q_bias, K_bias):
 
 
 def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, *,
-                             keep_theta: bool = True):
+                             keep_theta: bool = True, keep_columns: bool = False):
     """Pallas version of `head_queries_keys` at θ = `position_angles(π·tanh(angles)·dt, theta_entry)`, rounded to
     the dot operand dtype, and of `head_diagonal`: (q, k̃ [Bt, Tp, H, Np], θ [Bt, Tp, H, Sp] float32 or
     None, ⟨q̄, k̄⟩ [Bt, Tp, H] float32 — the skip term's inner product, from the biased rows the kernel
@@ -130,6 +130,8 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, ang
     not written (None is returned: the forward alone, or a backward that forms θ itself,
     qk_gradients_transposed.py). With `geo.theta_position_major` θ is written position-major,
     [Bt, H, Sp, Tp] (each head's tile transposed before its store), for that kernel to load.
+    With keep_columns (config.qk_columns_from_forward; one program per group) Q and K are also written
+    position-major, [Bt, G, Np, Tp] in their dtype and order, and returned fifth and sixth (else None).
     """
     grid = layout.GroupGrid(geo)
     pieces = geo.pieces
@@ -141,7 +143,8 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, ang
     theta_cols = geo.theta_position_major
 
     def body(refs):
-        rows = {p: {n: refs[p][:, pl.ds(start, width)].astype(F32) for n, start, width in pieces} for p in "QK"}
+        cols = lambda start, width: layout.piece_columns(geo, start, width)      # the op's order or the kernel layout
+        rows = {p: {n: refs[p][:, cols(start, width)].astype(F32) for n, start, width in pieces} for p in "QK"}
         shared = angle_rate(refs["angles"][...]) if shared_angles else None                     # [L, Sp]
 
         def head_step(j, carry):
@@ -157,7 +160,7 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, ang
                         refs["theta"][:, j, :] = angle
                 rotation = rotation_of(angle, geo)
             s = refs["scale"][:, j]
-            biased = {p: {n: rows[p][n] + refs[f"{p}_bias"][j, pl.ds(start, width)][None, :]
+            biased = {p: {n: rows[p][n] + refs[f"{p}_bias"][j, cols(start, width)][None, :]
                           for n, start, width in pieces} for p in "QK"}
             diagonal = None
             for n, _, _ in pieces:
@@ -171,6 +174,9 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, ang
                     refs[out][:, j, pl.ds(start, width)] = (x if p == "Q" else s[:, None] * x).astype(mm)
             return carry
 
+        if keep_columns:     # Q, K position-major for the gradient kernel: one transpose per program
+            for p in "QK":
+                refs[f"{p}_cols"][...] = refs[p][...].T
         jax.lax.fori_loop(0, grid.heads_per_slice, head_step, 0)
 
     bsz, Tp, G, Np = Q.shape
@@ -189,10 +195,17 @@ def head_queries_keys_kernel(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, ang
         outputs.append(("theta", jax.ShapeDtypeStruct((bsz,) + slices[:-1] + (Sp, Tp), F32), grid.head_cols(Sp)))
     elif keep_theta:
         outputs.append(("theta", jax.ShapeDtypeStruct((bsz, Tp) + slices[:-1] + (Sp,), F32), grid.head_rows(Sp)))
+    if keep_columns:
+        if grid.splits != 1:
+            raise ValueError("head_queries_keys_kernel: keep_columns needs one program per group (qk_head_splits 1)")
+        columns = pl.BlockSpec((None, None, Np, geo.chunk), lambda p: (grid.index(p)[0], grid.index(p)[2], 0,
+                                                                        grid.index(p)[1]))
+        outputs += [(f"{p}_cols", jax.ShapeDtypeStruct((bsz, G, Np, Tp), x.dtype), columns)
+                    for p, x in (("Q", Q), ("K", K))]
     out = layout.launch(body, geo, grid, inputs, outputs, "mamba3_siso_fwd_queries_keys", geo.config.num_warps_qk)
     H = geo.heads
     theta = None
     if keep_theta:
         theta = out["theta"].reshape((bsz, H, Sp, Tp) if theta_cols else (bsz, Tp, H, Sp))
     return (out["q"].reshape(bsz, Tp, H, Np), out["k"].reshape(bsz, Tp, H, Np), theta,
-            out["diagonal"].reshape(bsz, Tp, H))
+            out["diagonal"].reshape(bsz, Tp, H), out.get("Q_cols"), out.get("K_cols"))

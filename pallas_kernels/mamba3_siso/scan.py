@@ -25,13 +25,17 @@ Layout work done here (layout.py, config.py): T padded to a multiple of the chun
 s = γ = DT = 0 there: identity steps with zero input, so the final state is exact), headdim
 padded to Pp, and d_state of Q, K, the biases and the state permuted into the kernel layout
 (even | odd | rest pieces, zero-padded): [.., G, N] arrays only; the per-head [.., H, Np] operands
-are formed in that layout inside the core.
+are formed in that layout inside the core. Where that layout is a pure permutation (config.qk_op_order,
+ScanGeometry.qk_op_order_fits) Q, K and the biases go in as they are, and the query/key kernels read
+(and write the gradients of) the even and odd pieces as strided columns.
 
 Numerics: float32 operands (the dot operands in bf16/f16 when Q, K and V are); see the kernel
 modules. float64 inputs are not supported (the kernels compute in float32).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 
@@ -82,6 +86,8 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, dt, angl
                         chunk_size=chunk_size, has_z=Z is not None, matmul_dtype=matmul_dtype(Q, K, V),
                         io_dtype=V.dtype, config=config, interpret=interpret,
                         shared_angles=bool(S) and angles.shape[2] == 1)
+    if qk_norm is None and geo.qk_op_order_fits:     # Q, K and the biases as they are (kernel layout: qk_norm.py)
+        geo = dataclasses.replace(geo, qk_op_order=True)
     theta_entry = None
     theta_final = angle0
     if S:
@@ -93,7 +99,9 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, dt, angl
         angles = pad_axis_to(angles, 3, geo.angle_width)                     # [Bt, Tp, 1 or H, Sp]
     else:
         angles = dt = None
-    if qk_norm is None:
+    if geo.qk_op_order:
+        Qk, Kk = _pad_time(geo, Q), _pad_time(geo, K)
+    elif qk_norm is None:
         Qk, Kk = to_kernel_layout(geo, _pad_time(geo, Q)), to_kernel_layout(geo, _pad_time(geo, K))
     else:
         Q_weight, K_weight, eps = qk_norm
@@ -114,13 +122,14 @@ def chunked_scan(Q, K, V, Q_bias, K_bias, scale, gamma, D, ADT, angles, dt, angl
 def _run_core(geo: ScanGeometry, Qk, Kk, Q_bias, K_bias, scale, angles, dt, theta_entry, V, Z, adt, gamma, s0, D,
               angle0=None):
     """`chunked_core` on operands whose per-position arrays are already time-padded (Qk, Kk in the kernel
-    layout): the biases and s0 laid out (None: a zero initial state), V, Z padded (time, headdim), D zeros
-    when None. Returns (out [Bt, Tp, H, Pp], final state [Bt, H, Pp, Np]) as the core does; with angle0
+    layout, or in the op's d_state order with geo.qk_op_order): the biases (unless geo.qk_op_order) and s0
+    laid out (None: a zero initial state), V, Z padded (time, headdim), D zeros when None. Returns (out [Bt, Tp, H, Pp], final state [Bt, H, Pp, Np]) as the core does; with angle0
     ([Bt, H, Sp], theta_entry None) `chunked_core_with_angles`, and θ_final [Bt, H, Sp] third."""
     H = V.shape[2]
     core, entry = (chunked_core, theta_entry) if angle0 is None else (chunked_core_with_angles, angle0)
+    bias = (lambda b: b.astype(F32)) if geo.qk_op_order else (lambda b: to_kernel_layout(geo, b.astype(F32)))
     return core(
-        geo, Qk, Kk, to_kernel_layout(geo, Q_bias.astype(F32)), to_kernel_layout(geo, K_bias.astype(F32)),
+        geo, Qk, Kk, bias(Q_bias), bias(K_bias),
         scale, angles, dt, entry,
         _pad_headdim(geo, _pad_time(geo, V)), None if Z is None else _pad_headdim(geo, _pad_time(geo, Z)),
         adt, gamma,      # zero time padding: ADT = 0 is the identity decay
