@@ -558,6 +558,43 @@ def test_position_major_qk_copies_from_the_forward_match_reference_bit_for_bit(s
     _assert_bit_identical(copies, check_against_reference(arrays, states, 16, 2e-5))
 
 
+def _entry_angles_both_ways(T, L, interpret):
+    """θ_entry and θ_final from XLA's prefix (chunk_entry_angles) and from entry_angle_prefix, on the same
+    wrapped chunk sums, with their largest angular difference."""
+    from pallas_kernels.mamba3_siso.chunk_math import angle_rate
+    from pallas_kernels.mamba3_siso.entry_angles import chunk_entry_angles, entry_angle_prefix, wrapped_chunk_sums
+
+    geo = make_geometry(batch=2, seqlen=T, heads=3, groups=1, headdim=16, d_state=32, num_angles=8, chunk_size=L,
+                        has_z=True, matmul_dtype=jnp.float32, io_dtype=jnp.float32, config=Mamba3ScanConfig(),
+                        interpret=interpret)
+    r = np.random.default_rng(T)
+    angles = jnp.asarray(2 * r.normal(size=(2, T, 3, 8)), jnp.float32)
+    dt = jnp.asarray(np.abs(r.normal(size=(2, T, 3))), jnp.float32)
+    angle0 = jnp.asarray(r.uniform(0, 2 * np.pi, size=(2, 3, 8)), jnp.float32)
+    want = chunk_entry_angles(geo, angle_rate(angles), dt, angle0)
+    got = entry_angle_prefix(geo, wrapped_chunk_sums(geo, angle_rate(angles), dt), angle0)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == jnp.float32
+        assert float(jnp.min(g)) >= 0.0 and float(jnp.max(g)) < 2 * np.pi
+        # angular difference (a value near 0 on one side may wrap to near 2π on the other)
+        assert float(jnp.max(jnp.abs(jnp.mod(g - w + np.pi, 2 * np.pi) - np.pi))) < 1e-5 * (T // L)
+
+
+@pytest.mark.parametrize("T,L", [(48, 16), (80, 16), (128, 16)], ids=["3-chunks", "5-chunks", "8-chunks"])
+def test_entry_angle_prefix_kernel_matches_the_xla_prefix(T, L):
+    """entry_angles.entry_angle_prefix (one program per (row, head); nc not a power of two: masked rows)
+    against chunk_entry_angles' triangular matmul on the same chunk sums, within float32 rounding."""
+    _entry_angles_both_ways(T, L, interpret=True)
+
+
+def test_entry_angle_prefix_kernel_through_the_op_matches_reference():
+    """config.entry_prefix_kernel (with the position-major Q, K copies) through the op: every value and
+    cotangent against the reference, per-head angles (the angle gradient pass's core)."""
+    arrays, states = make_inputs((2, 40, 4, 2, 32, 16, 8), jnp.float32, seed=44)
+    check_against_reference(arrays, states, 16, 2e-5,
+                            config=Mamba3ScanConfig(entry_prefix_kernel=True, qk_columns_from_forward=True))
+
+
 @pytest.mark.parametrize("N,S,config,fits", [
     (128, 32, Mamba3ScanConfig(), True),                        # the model's d_state and rope
     (16, 8, Mamba3ScanConfig(), True),                          # no unrotated dims
@@ -1362,6 +1399,21 @@ def test_gpu_position_major_qk_copies_from_the_forward_at_the_perf_shape():
     run = lambda cfg: _value_and_vjp(mamba3_siso_scan_pallas, present, Mamba3ScanTuning(chunk_size=64, pallas_config=cfg),
                                      vals, states, d_out, d_final)
     _assert_bit_identical(run(Mamba3ScanConfig(qk_columns_from_forward=True)), run(None))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,L", [(192, 64), (2048, 64)], ids=["3-chunks", "32-chunks"])
+def test_gpu_entry_angle_prefix_kernel_matches_the_xla_prefix(T, L):
+    _entry_angles_both_ways(T, L, interpret=False)
+
+
+@pytest.mark.gpu
+def test_gpu_new_launch_options_match_reference_at_the_perf_shape():
+    """entry_prefix_kernel and qk_columns_from_forward together at the benchmark shape, per-head angles:
+    every value and cotangent against the reference (the tolerances of the default's GPU test)."""
+    arrays, states = make_inputs((8, 2048, 24, 1, 128, 64, 32), jnp.bfloat16)
+    check_against_reference(arrays, states, 64, 2.5e-2,
+                            config=Mamba3ScanConfig(entry_prefix_kernel=True, qk_columns_from_forward=True))
 
 
 @pytest.mark.gpu

@@ -113,6 +113,9 @@ class Mamba3ScanConfig:
         1886 → 1750 at B=32 T=512 (gradient kernel 414 → 266, the pass 57, XLA's angle fusions 87 → 24);
         on (the default).
       num_warps_angle_pass: Triton warps of that kernel.
+      entry_prefix_kernel: with the angle gradient pass, the prefix sums of the chunks' angle sums (the
+        angle entering each chunk) in one small Pallas launch (entry_angles.entry_angle_prefix) instead
+        of XLA's pad, triangular matmul and slices. The same sums in another order. Untimed: off.
       bias_gradients_by_xla: the query/key gradient kernel leaves the bias gradients out (their column
         sums over each block's rows are a third of its head loop and 30 of its 43 barriers,
         triton_inspect.py, notes_mamba3_scan.md v15) and XLA forms them from dq, dk̃ and θ in two
@@ -278,6 +281,7 @@ class Mamba3ScanConfig:
     position_major_d_angles: bool = False
     angle_gradient_pass: bool = True
     num_warps_angle_pass: int = 4
+    entry_prefix_kernel: bool = False
     qk_op_order: bool = True
     qk_columns_from_forward: bool = False
     qk_head_splits: int = 1
@@ -353,7 +357,7 @@ class Mamba3ScanConfig:
         if self.stored_for_keys is True and not self.stored_scores:
             raise ValueError("Mamba3ScanConfig.stored_for_keys=True needs stored_scores=True")
         for name in ("adt_in_values", "keys_with_queries", "state_dot_with_keys", "bias_gradients_by_xla", "transposed_gradient_dots", "stored_theta",
-                     "position_major_d_angles", "angle_gradient_pass", "qk_op_order", "qk_columns_from_forward", "rotate_in_chunk_gradients", "skip_in_scores",
+                     "position_major_d_angles", "angle_gradient_pass", "qk_op_order", "qk_columns_from_forward", "entry_prefix_kernel", "rotate_in_chunk_gradients", "skip_in_scores",
                      "fast_rotation", "fast_math", "fuse_qk_norm", "fuse_projection"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"Mamba3ScanConfig.{name} must be True or False, got {getattr(self, name)!r}")

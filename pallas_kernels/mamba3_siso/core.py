@@ -58,7 +58,8 @@ from pallas_kernels.common.dtypes import F32
 from pallas_kernels.mamba3_siso import chunk_backward, chunk_forward, state_passes
 from pallas_kernels.mamba3_siso.chunk_math import angle_rate
 from pallas_kernels.mamba3_siso.config import ScanGeometry
-from pallas_kernels.mamba3_siso.entry_angles import angle_gradients, chunk_entry_angles, later_chunk_sums
+from pallas_kernels.mamba3_siso.entry_angles import (angle_gradients, chunk_entry_angles, entry_angle_prefix,
+                                                     later_chunk_sums, wrapped_chunk_sums)
 from pallas_kernels.mamba3_siso.head_gradients import fuses_rotation, head_query_key_gradients
 from pallas_kernels.mamba3_siso.qk_gradients import query_key_gradients
 from pallas_kernels.mamba3_siso.qk_gradients_transposed import recomputes_theta
@@ -204,9 +205,17 @@ def chunked_core_with_angles(geo: ScanGeometry, Q, K, Q_bias, K_bias, scale, ang
     chunks' sums of dθ when it finishes the angle gradients, so one small kernel
     (entry_angles.angle_gradients) writes d angles and d DT, with no XLA pass over the per-head angles
     to add them (other arguments and outputs as chunked_core)."""
-    theta_entry, theta_final = chunk_entry_angles(geo, angle_rate(angles), dt, angle0)
+    theta_entry, theta_final = _entry_angles(geo, angles, dt, angle0)
     out, final, _ = _forward(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt, gamma, s0, D)
     return out, final, theta_final
+
+
+def _entry_angles(geo, angles, dt, angle0):
+    """(θ_entry [Bt, nc, H, Sp], θ_final [Bt, H, Sp]): XLA's chunk sums, then the prefix over the chunks
+    by XLA (chunk_entry_angles) or with config.entry_prefix_kernel one small launch (entry_angle_prefix)."""
+    if geo.config.entry_prefix_kernel:
+        return entry_angle_prefix(geo, wrapped_chunk_sums(geo, angle_rate(angles), dt), angle0)
+    return chunk_entry_angles(geo, angle_rate(angles), dt, angle0)
 
 
 def _with_angles_fwd(geo, *args):
@@ -216,7 +225,7 @@ def _with_angles_fwd(geo, *args):
 def _with_angles_fwd_values(geo, Q, K, Q_bias, K_bias, scale, angles, dt, angle0, v, z, adt, gamma, s0, D):
     if not geo.angle_pass:
         raise ValueError("chunked_core_with_angles runs only where config.angle_gradient_pass applies (geo.angle_pass)")
-    theta_entry, theta_final = chunk_entry_angles(geo, angle_rate(angles), dt, angle0)
+    theta_entry, theta_final = _entry_angles(geo, angles, dt, angle0)
     (out, final), residuals = _core_forward(geo, Q, K, Q_bias, K_bias, scale, angles, dt, theta_entry, v, z, adt,
                                             gamma, s0, D)
     return (out, final, theta_final), residuals

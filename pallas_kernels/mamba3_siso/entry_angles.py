@@ -22,7 +22,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels.common.dtypes import F32
 from pallas_kernels.common.grid import FlatGrid
 from pallas_kernels.common.launch import run_kernel
-from pallas_kernels.mamba3_siso.chunk_math import TWO_PI, angle_rate_and_slope
+from pallas_kernels.common.sizes import next_power_of_2
+from pallas_kernels.mamba3_siso.chunk_math import TWO_PI, angle_rate_and_slope, wrap_angle
 from pallas_kernels.mamba3_siso.config import ScanGeometry
 
 HI = jax.lax.Precision.HIGHEST
@@ -39,6 +40,18 @@ def chunk_entry_angles(geo: ScanGeometry, rate, dt, angle0):
     are wrapped again: one small XLA kernel instead of a scan. The prefix sums stay below nc·2π, so
     the carried angle loses at most ~nc·2π·2^-24 rad (4e-5 rad at nc = 128) to rounding.
     """
+    nc = geo.n_chunks
+    sums = wrapped_chunk_sums(geo, rate, dt)                                                   # [Bt, nc, H, S]
+    # [θ_{-1}, sum_0, ..., sum_{nc-1}]: row c of `before` adds θ_{-1} and the sums of the chunks before c
+    terms = jnp.concatenate([angle0[:, None], sums], axis=1)                                      # [Bt, nc+1, H, S]
+    before = np.tril(np.ones((nc + 1, nc + 1), np.float32))     # a constant of the program (no iota launches)
+    running = jnp.mod(jnp.einsum("ck,bkhs->bchs", before, terms, precision=HI), TWO_PI)
+    return running[:, :-1], running[:, -1]
+
+
+def wrapped_chunk_sums(geo: ScanGeometry, rate, dt):
+    """[Bt, nc, H, S] float32: each chunk's sum of the increments rate·dt, wrapped into [0, 2π) (a
+    contraction over the chunk's positions, float32 Precision.HIGHEST; arguments as chunk_entry_angles)."""
     bsz, _, Hr, S = rate.shape
     H, nc, L = dt.shape[-1], geo.n_chunks, geo.chunk
     rate, dt = rate.reshape(bsz, nc, L, Hr, S), dt.reshape(bsz, nc, L, H)
@@ -46,12 +59,41 @@ def chunk_entry_angles(geo: ScanGeometry, rate, dt, angle0):
         sums = jnp.einsum("bcls,bclh->bchs", rate[:, :, :, 0], dt, precision=HI)
     else:
         sums = jnp.sum(rate * dt[..., None], axis=2)
-    sums = jnp.mod(sums, TWO_PI)                                                               # [Bt, nc, H, S]
-    # [θ_{-1}, sum_0, ..., sum_{nc-1}]: row c of `before` adds θ_{-1} and the sums of the chunks before c
-    terms = jnp.concatenate([angle0[:, None], sums], axis=1)                                      # [Bt, nc+1, H, S]
-    before = np.tril(np.ones((nc + 1, nc + 1), np.float32))     # a constant of the program (no iota launches)
-    running = jnp.mod(jnp.einsum("ck,bkhs->bchs", before, terms, precision=HI), TWO_PI)
-    return running[:, :-1], running[:, -1]
+    return jnp.mod(sums, TWO_PI)
+
+
+def entry_angle_prefix(geo: ScanGeometry, sums, angle0):
+    """chunk_entry_angles' prefix over the chunks as one Pallas launch (config.entry_prefix_kernel):
+    (θ entering each chunk [Bt, nc, H, Sp], final θ [Bt, H, Sp]) float32 from the wrapped chunk sums
+    `sums` [Bt, nc, H, Sp] (wrapped_chunk_sums) and the entering angle angle0 [Bt, H, Sp].
+
+    One program per (batch row, head): the [nc, Sp] column of chunk sums (rows past nc, when nc is not a
+    power of two, are masked to zero), its inclusive prefix sum over the chunks minus each chunk's own
+    term (the exclusive sum: the subtraction rounds at most half an ulp of the running sum, the same
+    order as the prefix's own rounding, < nc·2π·2^-24 rad), plus angle0, wrapped (floor-mod, as the
+    kernels wrap θ); the final angle from the column's total. Replaces XLA's pad, triangular matmul and
+    slices of chunk_entry_angles (the same sums in another order of the float32 additions).
+    """
+    bsz, nc, H, Sp = sums.shape
+    ncp = next_power_of_2(nc)
+    flat = FlatGrid((bsz, H))
+
+    def body(refs):
+        x = refs["sums"][...]                                                    # [ncp, Sp]
+        x = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (ncp, Sp), 0) < nc, x, 0.0)
+        a0 = refs["angle0"][...]                                                 # [Sp]
+        refs["entry"][...] = wrap_angle(a0[None, :] + (jnp.cumsum(x, axis=0) - x))
+        refs["final"][...] = wrap_angle(a0 + jnp.sum(x, axis=0))
+
+    at = flat.coordinates                                                        # p -> (b, h)
+    column = pl.BlockSpec((None, ncp, None, Sp), lambda p: (at(p)[0], 0, at(p)[1], 0))
+    row = pl.BlockSpec((None, None, Sp), lambda p: at(p) + (0,))
+    out = run_kernel(body, grid=flat.size, inputs=[("sums", sums.astype(F32), column), ("angle0", angle0.astype(F32), row)],
+                     outputs=[("entry", jax.ShapeDtypeStruct((bsz, nc, H, Sp), F32), column),
+                              ("final", jax.ShapeDtypeStruct((bsz, H, Sp), F32), row)],
+                     name="mamba3_siso_fwd_entry_angles", num_warps=1, num_stages=geo.config.num_stages,
+                     interpret=geo.interpret)
+    return out["entry"], out["final"]
 
 
 def later_chunk_sums(d_entry, d_final):
