@@ -179,7 +179,9 @@ for s in $stages; do case $s in
                XLA_PYTHON_CLIENT_PREALLOCATE=false run dispatch_b32t512_per_head_angles_torch 120 python3 benchmarks/bench_dispatch.py --arch mamba3 --shape b32t512 --per-head-angles --torch ;;
   m3_prof32h)  run m3_profile_b32t512_per_head_angles 60 python3 benchmarks/profile_kernels.py mamba3 --shape b32t512 --iters 10 --per-head-angles ;;
   m3_dump32h)  XLA_FLAGS="--xla_dump_to=/tmp/hlo_op --xla_dump_hlo_as_text" run m3_profile_b32t512_per_head_angles_dump 90 python3 benchmarks/profile_kernels.py mamba3 --shape b32t512 --iters 5 --per-head-angles ;
-               f=$(grep -l "mamba3_siso_bwd_query_key_gradients" /tmp/hlo_op/*after_optimizations.txt 2>/dev/null | head -1); [ -n "$f" ] && gzip -c "$f" > "$OUT/hlo_op_b32t512.txt.gz" && echo "packed $f" ;;
+               f=$(grep -l "mamba3_siso_bwd_query_key_gradients" /tmp/hlo_op/*after_optimizations.txt 2>/dev/null | head -1); [ -n "$f" ] && gzip -c "$f" > "$OUT/hlo_op_b32t512.txt.gz" && echo "packed $f"
+               m=$(basename "${f:-none}" | cut -d. -f1-2); ls -la /tmp/hlo_op | grep -F "$m" | head -30   # the module's other dumps (thunk sequence, buffer assignment)
+               [ -n "$f" ] && (cd /tmp/hlo_op && find . -name "$m*" -size -8M \( -name "*thunk*" -o -name "*buffer*" -o -name "*memory*" \) | tar czf "$OUT/hlo_op_extra.tgz" -T -) ;;
   m3_prof32h_old) PYTHONPATH=$PWD/.old run m3_profile_b32t512_per_head_angles_old 60 python3 .old/benchmarks/profile_kernels.py mamba3 --shape b32t512 --iters 10 --per-head-angles ;;
   m3_head)     for cfg in "" rotate_in_chunk_gradients=True rotate_in_chunk_gradients=True,num_warps_head_grad=8 rotate_in_chunk_gradients=True,head_gradient_launches=1,num_warps_head_grad=8; do
                  tag=$(echo "${cfg:-default}" | tr '=,' '__')

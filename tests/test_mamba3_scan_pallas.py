@@ -785,10 +785,12 @@ def test_angle_gradient_kernel_and_later_sums_match_their_references(bsz, nc, L,
         assert_close(name, g, w, 2e-6)
 
 
-def test_vmap_jit_and_checkpoint_gradients_match_reference():
+@pytest.mark.parametrize("shape", [(1, 20, 2, 1, 8, 16, 2), (1, 20, 2, 1, 16, 16, 8)], ids=["kernel-layout", "op-order"])
+def test_vmap_jit_and_checkpoint_gradients_match_reference(shape):
     """vmap prepends a grid axis to every pallas_call (the 1-D grids keep that within Triton's three);
-    jax.checkpoint re-runs the forward kernels inside the backward."""
-    arrays, states = make_inputs((1, 20, 2, 1, 8, 16, 2), jnp.float32, seed=3)
+    jax.checkpoint re-runs the forward kernels inside the backward. Also with Q, K in the op's d_state
+    order (strided column loads and stores, config.qk_op_order)."""
+    arrays, states = make_inputs(shape, jnp.float32, seed=3)
     signs = jnp.array([1.0, -0.5])
 
     def loss(impl, v, h0, adt):
@@ -1418,7 +1420,8 @@ def test_gpu_new_launch_options_match_reference_at_the_perf_shape():
 
 @pytest.mark.gpu
 def test_gpu_vmap_jit_and_checkpoint():
-    test_vmap_jit_and_checkpoint_gradients_match_reference()
+    test_vmap_jit_and_checkpoint_gradients_match_reference((1, 20, 2, 1, 8, 16, 2))
+    test_vmap_jit_and_checkpoint_gradients_match_reference((1, 20, 2, 1, 16, 16, 8))
 
 
 @pytest.mark.gpu
