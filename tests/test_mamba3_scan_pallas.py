@@ -582,8 +582,9 @@ def _entry_angles_both_ways(T, L, interpret):
 
 @pytest.mark.parametrize("T,L", [(48, 16), (80, 16), (128, 16)], ids=["3-chunks", "5-chunks", "8-chunks"])
 def test_entry_angle_prefix_kernel_matches_the_xla_prefix(T, L):
-    """entry_angles.entry_angle_prefix (one program per (row, head); nc not a power of two: masked rows)
-    against chunk_entry_angles' triangular matmul on the same chunk sums, within float32 rounding."""
+    """entry_angles.entry_angle_prefix (one program per (row, head); nc not a power of two: zero chunks
+    padded by XLA, since an overhanging block is not masked on the GPU) against chunk_entry_angles'
+    triangular matmul on the same chunk sums, within float32 rounding."""
     _entry_angles_both_ways(T, L, interpret=True)
 
 

@@ -115,7 +115,9 @@ class Mamba3ScanConfig:
       num_warps_angle_pass: Triton warps of that kernel.
       entry_prefix_kernel: with the angle gradient pass, the prefix sums of the chunks' angle sums (the
         angle entering each chunk) in one small Pallas launch (entry_angles.entry_angle_prefix) instead
-        of XLA's pad, triangular matmul and slices. The same sums in another order. Untimed: off.
+        of XLA's pad, triangular matmul and slices. The same sums in another order. Timed only with
+        qk_columns_from_forward (above, a loss together); the launch itself takes 2.0 µs against ~11 µs
+        of the XLA ops it replaces. Off.
       bias_gradients_by_xla: the query/key gradient kernel leaves the bias gradients out (their column
         sums over each block's rows are a third of its head loop and 30 of its 43 barriers,
         triton_inspect.py, notes_mamba3_scan.md v15) and XLA forms them from dq, dk̃ and θ in two
@@ -136,7 +138,10 @@ class Mamba3ScanConfig:
         position-major ([Bt, G, Np, Tp], each program's [L, Np] tile transposed once before its head
         loop) for the position-major gradient kernel, which then needs no XLA transposes of them (kept
         as the residuals in place of Q, K: same bytes). Needs one program per group (qk_head_splits 1)
-        and the position-major gradient kernel (ScanGeometry.qk_columns_from_forward). Untimed: off.
+        and the position-major gradient kernel (ScanGeometry.qk_columns_from_forward). H100, session
+        40, with entry_prefix_kernel (timed only together): the forward kernel +4 µs, XLA's Q, K
+        transposes (9 µs) gone, but a 30.7 µs XLA transpose appeared that the default's HLO lacks: op
+        kernel sum +14.5 / +25 µs at B=8 T=2048 / B=32 T=512. Off.
       qk_head_splits: the heads of a group are split over this many programs of the query/key kernels
         (the largest divisor of heads-per-group not above it is used): more programs in flight, and
         as many partial group sums of dQ, dK for XLA to add. 1 by default since session 31 (H100, train

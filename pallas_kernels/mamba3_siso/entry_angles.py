@@ -67,8 +67,10 @@ def entry_angle_prefix(geo: ScanGeometry, sums, angle0):
     (θ entering each chunk [Bt, nc, H, Sp], final θ [Bt, H, Sp]) float32 from the wrapped chunk sums
     `sums` [Bt, nc, H, Sp] (wrapped_chunk_sums) and the entering angle angle0 [Bt, H, Sp].
 
-    One program per (batch row, head): the [nc, Sp] column of chunk sums (rows past nc, when nc is not a
-    power of two, are masked to zero), its inclusive prefix sum over the chunks minus each chunk's own
+    One program per (batch row, head): the [nc, Sp] column of chunk sums (when nc is not a power of two,
+    XLA pads the sums with zero chunks first and the outputs are sliced back: Pallas' Triton lowering
+    does not mask a block that overhangs the array, so an overhanging store would overwrite the next
+    row's angles — seen on an H100, session 40), its inclusive prefix sum over the chunks minus each chunk's own
     term (the exclusive sum: the subtraction rounds at most half an ulp of the running sum, the same
     order as the prefix's own rounding, < nc·2π·2^-24 rad), plus angle0, wrapped (floor-mod, as the
     kernels wrap θ); the final angle from the column's total. Replaces XLA's pad, triangular matmul and
@@ -77,10 +79,10 @@ def entry_angle_prefix(geo: ScanGeometry, sums, angle0):
     bsz, nc, H, Sp = sums.shape
     ncp = next_power_of_2(nc)
     flat = FlatGrid((bsz, H))
+    sums = jnp.pad(sums.astype(F32), ((0, 0), (0, ncp - nc), (0, 0), (0, 0))) if ncp != nc else sums.astype(F32)
 
     def body(refs):
-        x = refs["sums"][...]                                                    # [ncp, Sp]
-        x = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (ncp, Sp), 0) < nc, x, 0.0)
+        x = refs["sums"][...]                                                    # [ncp, Sp] (zero chunks past nc)
         a0 = refs["angle0"][...]                                                 # [Sp]
         refs["entry"][...] = wrap_angle(a0[None, :] + (jnp.cumsum(x, axis=0) - x))
         refs["final"][...] = wrap_angle(a0 + jnp.sum(x, axis=0))
@@ -88,12 +90,12 @@ def entry_angle_prefix(geo: ScanGeometry, sums, angle0):
     at = flat.coordinates                                                        # p -> (b, h)
     column = pl.BlockSpec((None, ncp, None, Sp), lambda p: (at(p)[0], 0, at(p)[1], 0))
     row = pl.BlockSpec((None, None, Sp), lambda p: at(p) + (0,))
-    out = run_kernel(body, grid=flat.size, inputs=[("sums", sums.astype(F32), column), ("angle0", angle0.astype(F32), row)],
-                     outputs=[("entry", jax.ShapeDtypeStruct((bsz, nc, H, Sp), F32), column),
+    out = run_kernel(body, grid=flat.size, inputs=[("sums", sums, column), ("angle0", angle0.astype(F32), row)],
+                     outputs=[("entry", jax.ShapeDtypeStruct((bsz, ncp, H, Sp), F32), column),
                               ("final", jax.ShapeDtypeStruct((bsz, H, Sp), F32), row)],
                      name="mamba3_siso_fwd_entry_angles", num_warps=1, num_stages=geo.config.num_stages,
                      interpret=geo.interpret)
-    return out["entry"], out["final"]
+    return out["entry"][:, :nc], out["final"]
 
 
 def later_chunk_sums(d_entry, d_final):
