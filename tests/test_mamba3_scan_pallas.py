@@ -523,12 +523,14 @@ def test_fresh_sequence_equals_explicit_zero_states(shape):
 
 # (Bt, T, H, G, N, P, S) where the kernel layout of d_state is a pure permutation (S a power of two >= 8,
 # N a power of two): Q, K, the biases and their gradients cross the kernels in the op's order there
-OP_ORDER_CASES = [("per-head-angles-groups-f32", (2, 40, 4, 2, 32, 16, 8), jnp.float32, False, 2e-5),
-                  ("shared-angles-fullrope-bf16", (1, 40, 2, 1, 16, 16, 8), jnp.bfloat16, True, 2e-2)]
+OP_ORDER_CASES = [("per-head-angles-groups-f32", (2, 40, 4, 2, 32, 16, 8), jnp.float32, False, 2e-5, {}),
+                  ("shared-angles-fullrope-bf16", (1, 40, 2, 1, 16, 16, 8), jnp.bfloat16, True, 2e-2, {}),
+                  # two programs per group: float32 partial dQ, dK in the op's order, summed by XLA
+                  ("head-splits-bf16", (2, 40, 4, 1, 32, 16, 8), jnp.bfloat16, False, 2e-2, {"qk_head_splits": 2})]
 
 
-@pytest.mark.parametrize("shape,dtype,shared,tol", [c[1:] for c in OP_ORDER_CASES], ids=[c[0] for c in OP_ORDER_CASES])
-def test_op_order_matches_reference_and_the_kernel_layout_bit_for_bit(shape, dtype, shared, tol):
+@pytest.mark.parametrize("shape,dtype,shared,tol,options", [c[1:] for c in OP_ORDER_CASES], ids=[c[0] for c in OP_ORDER_CASES])
+def test_op_order_matches_reference_and_the_kernel_layout_bit_for_bit(shape, dtype, shared, tol, options):
     """config.qk_op_order (strided column loads and stores of the even and odd dims) against the reference
     (every value and cotangent, the four states included) and bit for bit against the same kernels fed
     the permuted kernel layout by XLA (qk_op_order=False)."""
@@ -536,12 +538,13 @@ def test_op_order_matches_reference_and_the_kernel_layout_bit_for_bit(shape, dty
     geo = lambda cfg: make_geometry(batch=bsz, seqlen=T, heads=H, groups=G, headdim=P, d_state=N, num_angles=S,
                                     chunk_size=16, has_z=True, matmul_dtype=dtype, io_dtype=dtype, config=cfg,
                                     shared_angles=shared)
-    assert geo(Mamba3ScanConfig()).qk_op_order_fits and not geo(Mamba3ScanConfig(qk_op_order=False)).qk_op_order_fits
+    assert geo(Mamba3ScanConfig(**options)).qk_op_order_fits
+    assert not geo(Mamba3ScanConfig(qk_op_order=False, **options)).qk_op_order_fits
     arrays, states = make_inputs(shape, dtype, seed=40)
     if shared:
         arrays["Angles"] = arrays["Angles"][:, :, :1]
-    on = check_against_reference(arrays, states, 16, tol)
-    off = check_against_reference(arrays, states, 16, tol, config=Mamba3ScanConfig(qk_op_order=False))
+    on = check_against_reference(arrays, states, 16, tol, config=Mamba3ScanConfig(**options))
+    off = check_against_reference(arrays, states, 16, tol, config=Mamba3ScanConfig(qk_op_order=False, **options))
     _assert_bit_identical(on, off)
 
 
