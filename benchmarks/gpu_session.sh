@@ -274,7 +274,7 @@ for s in $stages; do case $s in
                setsid nohup python3 .anchors/build.py /tmp/ab > "$OUT/anchors_build.log" 2>&1 < /dev/null & ;;
   anchors_ss)  if [ ! -f .anchors/build.py ]; then echo "anchors_ss: .anchors/build.py missing (carry .anchors)" | tee "$OUT/anchors_build.log"; exit 2; fi
                setsid nohup python3 .anchors/build.py /tmp/ab ss > "$OUT/anchors_build.log" 2>&1 < /dev/null & ;;
-  side_ops3)   wait_ss && XLA_PYTHON_CLIENT_PREALLOCATE=false run side_by_side_ops_mamba3 420 python3 -c "import sys; sys.argv = ['x', '/tmp/ab', 'none']; sys.path[:0] = ['.anchors', '.']; import side_by_side as s; [s.m3_op(b=b, l=l) for b, l in ((8, 2048), (32, 512), (2, 8192))]" ;;
+  side_ops3)   wait_ss && XLA_PYTHON_CLIENT_PREALLOCATE=false run side_by_side_ops_mamba3 420 python3 -c "import sys; sys.argv = ['x', '/tmp/ab', 'none']; sys.path[:0] = ['.anchors', '.']; import side_by_side as s; [s.m3_op(b=b, l=l) for _ in range(${SIDE_REPS:-1}) for b, l in ((8, 2048), (32, 512), (2, 8192))]" ;;   # SIDE_REPS=2: each shape again once everything is compiled
   m3_stored)   run m3_bench_stored 300 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b8t2048 --sweep --sweep-set stored ;
                run m3_bench_stored_b32 200 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b32t512 --sweep --sweep-set stored ;;
   m3_qk)       run m3_bench_qk 300 python3 benchmarks/bench_mamba3_scan.py --ref-iters 1 --impls pallas --shapes b8t2048 --sweep --sweep-set qk ;
