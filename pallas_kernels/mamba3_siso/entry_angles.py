@@ -70,8 +70,8 @@ def entry_angle_prefix(geo: ScanGeometry, sums, angle0):
     One program per (batch row, head): the [nc, Sp] column of chunk sums (when nc is not a power of two,
     XLA pads the sums with zero chunks first and the outputs are sliced back: Pallas' Triton lowering
     does not mask a block that overhangs the array, so an overhanging store would overwrite the next
-    row's angles — seen on an H100, session 40), its inclusive prefix sum over the chunks minus each chunk's own
-    term (the exclusive sum: the subtraction rounds at most half an ulp of the running sum, the same
+    row's angles — seen on an H100, session 40), its inclusive prefix sum over the chunks minus each
+    chunk's own term (the exclusive sum: the subtraction rounds at most half an ulp of the running sum, the same
     order as the prefix's own rounding, < nc·2π·2^-24 rad), plus angle0, wrapped (floor-mod, as the
     kernels wrap θ); the final angle from the column's total. Replaces XLA's pad, triangular matmul and
     slices of chunk_entry_angles (the same sums in another order of the float32 additions).
@@ -79,7 +79,9 @@ def entry_angle_prefix(geo: ScanGeometry, sums, angle0):
     bsz, nc, H, Sp = sums.shape
     ncp = next_power_of_2(nc)
     flat = FlatGrid((bsz, H))
-    sums = jnp.pad(sums.astype(F32), ((0, 0), (0, ncp - nc), (0, 0), (0, 0))) if ncp != nc else sums.astype(F32)
+    sums = sums.astype(F32)
+    if ncp != nc:
+        sums = jnp.pad(sums, ((0, 0), (0, ncp - nc), (0, 0), (0, 0)))
 
     def body(refs):
         x = refs["sums"][...]                                                    # [ncp, Sp] (zero chunks past nc)

@@ -123,8 +123,9 @@ def _run_core(geo: ScanGeometry, Qk, Kk, Q_bias, K_bias, scale, angles, dt, thet
               angle0=None):
     """`chunked_core` on operands whose per-position arrays are already time-padded (Qk, Kk in the kernel
     layout, or in the op's d_state order with geo.qk_op_order): the biases (unless geo.qk_op_order) and s0
-    laid out (None: a zero initial state), V, Z padded (time, headdim), D zeros when None. Returns (out [Bt, Tp, H, Pp], final state [Bt, H, Pp, Np]) as the core does; with angle0
-    ([Bt, H, Sp], theta_entry None) `chunked_core_with_angles`, and θ_final [Bt, H, Sp] third."""
+    laid out (None: a zero initial state), V, Z padded (time, headdim), D zeros when None. Returns (out
+    [Bt, Tp, H, Pp], final state [Bt, H, Pp, Np]) as the core does; with angle0 ([Bt, H, Sp], theta_entry
+    None) `chunked_core_with_angles`, and θ_final [Bt, H, Sp] third."""
     H = V.shape[2]
     core, entry = (chunked_core, theta_entry) if angle0 is None else (chunked_core_with_angles, angle0)
     bias = (lambda b: b.astype(F32)) if geo.qk_op_order else (lambda b: to_kernel_layout(geo, b.astype(F32)))
