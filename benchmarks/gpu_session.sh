@@ -63,6 +63,9 @@
 # choice on one GPU since session 34), "+xlanormsq" with the per-leaf XLA sums instead.
 # lse_tests / lse_ab: the one-pass log-sum-exp kernel (jmamba.ops.log_sum_exp): its GPU tests, the train steps
 # with the kernel ("+pallaslse": --prefer log_sum_exp=pallas) and without (the default until then).
+# dx_bench / dx_ab2 (session 41): split_dense's backward alone (bench_split_dense.py, optimized HLO packed) and the
+# Mamba-3 train step with `xla_gpu_triton_gemm_any=false` ("+notritongemm" suffix: XLA_FLAGS), without and with
+# the "xla" dx summed right to left (the order in which the GEMM rewriter folds both sums into the matmuls).
 # dx_ab: the Mamba-3 train step with split_dense's default ("reference": JAX's transpose of the barrier) and with
 # its custom VJP ("+sumdx": dx summed with no barrier; slower on an H100, session 30).
 # qk_tests / qk_ab: the B/C norms fused with the Mamba-3 kernel layout (pallas_kernels/mamba3_siso/qk_norm.py): its
@@ -153,13 +156,15 @@ train_steps() {  # arch, configs ("default" or K=V,..., each with optional +keep
     case $cfg in *+xlanorm*) prefer="$prefer,add_rms_norm=xla" ;; esac
     case $cfg in *+pallaslse*) prefer="$prefer,log_sum_exp=pallas" ;; esac
     case $cfg in *+barrierdx*) prefer="$prefer,split_dense=reference" ;; esac
-    case $cfg in *+sumdx*) prefer="$prefer,split_dense=xla" ;; esac
+    case $cfg in *+sumdx*) prefer="$prefer,split_dense=xla" ;; esac            # dx summed right to left (since s41)
     case $cfg in *+pallasnorm*) prefer="$prefer,sum_of_squares=pallas" ;; esac   # the global norm in one launch (automatic since s34)
     case $cfg in *+xlanormsq*) prefer="$prefer,sum_of_squares=xla" ;; esac       # the global norm as per-leaf XLA sums
     case $cfg in *+pallasrows*) prefer="$prefer,finite_rows=pallas" ;; esac      # the guard's state check in one launch (opt-in)
     [ -n "$prefer" ] && extra="$extra --prefer ${prefer#,}"
+    xflags=""   # "+notritongemm": plain dots stay cuBLAS calls, so the GEMM rewriter can fold adds into them
+    case $cfg in *+notritongemm*) xflags="--xla_gpu_triton_gemm_any=false" ;; esac
     cfg=${cfg%%+*}; [ "$cfg" = default ] && cfg=""
-    run e2e_${arch}_$tag 130 python3 benchmarks/bench_train_step.py --arch $arch --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze $extra ${cfg:+--scan-config $cfg} ; done
+    XLA_FLAGS="${XLA_FLAGS:-} $xflags" run e2e_${arch}_$tag 130 python3 benchmarks/bench_train_step.py --arch $arch --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze $extra ${cfg:+--scan-config $cfg} ; done
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1; cat "$OUT/gpu.txt"
 OPT=fused
@@ -229,6 +234,9 @@ for s in $stages; do case $s in
   lse_tests)   run gpu_tests_lse 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_log_sum_exp.py -rA ;;
   lse_ab)      train_steps mamba1 default default+pallaslse ; train_steps mamba3 default default+pallaslse ;;
   dx_ab)       train_steps mamba3 default default+sumdx ;;
+  dx_bench)    run split_dense_bench 150 python3 benchmarks/bench_split_dense.py --dump /tmp/hlo_dx &&
+               tar czf "$OUT/hlo_dx.tgz" -C /tmp hlo_dx ;;   # in_proj's backward alone, both sum orders x XLA options
+  dx_ab2)      train_steps mamba3 default default+notritongemm default+sumdx+notritongemm ;;
   qk_tests)    run gpu_tests_qk_norm 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_qk_norm.py -rA ;;
   qk_ab)       train_steps mamba3 default fuse_qk_norm=True ;;
   s29_tests)   run gpu_tests_s29 380 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_mamba3_projected.py tests/test_mamba3_qk_norm.py tests/test_log_sum_exp.py -rA ;;

@@ -25,6 +25,7 @@ EXPECTED = {
     "bench_rms_norm.py": ("variant", {"xla", "pallas r8 w4"}),
     "bench_mosaic_forward.py": ("variant", {"triton", "mosaic c16"}),
     "bench_scaling.py": ("mode", {"dp", "fsdp", "seq"}),
+    "bench_split_dense.py": ("variant", {"reference, default options", "xla, triton_gemm_any off"}),
     "bench_selective_scan.py": ("impl", {"pallas", "xla", "assoc", "reference"}),
     "bench_sequence_parallel.py": ("path", {"plain", "seq axis, 1 shard"}),
     "bench_train_step.py": ("impl", {"xla"}),

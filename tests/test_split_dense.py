@@ -1,7 +1,7 @@
 """`jmamba.ops.split_dense`: both implementations against float64 numpy (values, dx and dw for every
 block, leading shapes [], [n], [b, t], odd block widths, f32 / f64 / bf16), against each other, the
-structure of the "xla" backward (dx summed with no barrier between the products and the sum, the
-weight gradients on separate copies of x), and bad arguments."""
+structure of the "xla" backward (dx summed right to left with no barrier between the products and the
+sums, the weight gradients on separate copies of x), and bad arguments."""
 
 from __future__ import annotations
 
@@ -70,11 +70,21 @@ def test_values_and_cotangents_match_float64_numpy(impl, lead, dtype, tol):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_implementations_agree_to_the_last_bit_on_cpu(dtype):
-    """Same products, same left-to-right sum: only where XLA may fuse the sum differs (GPU)."""
+    """Same products: the blocks and dw agree bit for bit; dx is the products g_i = dy_i·w_iᵀ (each
+    rounded to the dtype) summed by hand in each one's order, (g0 + g1) + g2 for "reference" (JAX's
+    transpose) and g0 + (g1 + g2) for "xla"."""
     x, w, cts = case((3, 4), d_in=16, seed=3)
-    got = [run(impl, x, w, cts, dtype) for impl in IMPLS]
-    for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(got[1])):
-        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    got = {impl: run(impl, x, w, cts, dtype) for impl in IMPLS}
+    same = lambda a, b: np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                                      np.asarray(b.astype(jnp.float32)))
+    for a, b in zip(jax.tree.leaves((got["reference"][0], got["reference"][2])),
+                    jax.tree.leaves((got["xla"][0], got["xla"][2]))):
+        same(a, b)
+    edges = np.cumsum((0,) + SIZES)
+    wd = jnp.asarray(w, dtype)
+    g = [jnp.dot(jnp.asarray(c, dtype), wd[:, a:b].T) for c, a, b in zip(cts, edges[:-1], edges[1:])]
+    same(got["reference"][1], (g[0] + g[1]) + g[2])
+    same(got["xla"][1], g[0] + (g[1] + g[2]))
 
 
 def backward_jaxpr(impl):
@@ -108,6 +118,9 @@ def test_how_dx_is_summed(impl):
     leaves = [made_by[v].primitive.name for e in adds for v in e.invars if made_by[v] not in adds]
     want = "dot_general" if impl == "xla" else "optimization_barrier"
     assert leaves == [want] * len(SIZES), leaves
+    if impl == "xla":   # right to left: the outer add's second operand is the inner add
+        outer = made_by[dx]
+        assert [made_by[v] in adds for v in outer.invars] == [False, True]
     weight_dots = [e.outvars[0].aval.shape for e in jaxpr.eqns
                    if e.primitive.name == "dot_general" and e.outvars[0].aval.ndim == 2]   # [s_i, d_in]
     assert sorted(weight_dots) == sorted((s, 8) for s in SIZES)

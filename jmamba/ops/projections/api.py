@@ -12,15 +12,19 @@ Implementations:
     puts a barrier on the blocks' input cotangents too, so dx = Σ_i dy_i·w_iᵀ is a separate elementwise
     pass over three [.., d_in] products.
   "xla": the same forward with a custom VJP: the weight gradients xᵀ·dy_i keep the barrier (one matmul
-    each, no merged concatenate), while dx = Σ_i dy_i·w_iᵀ is formed with no barrier between the products
-    and the sum, meant to let XLA's GPU GEMM rewriter accumulate each product into the next matmul's
-    output (cuBLAS with beta = 1). Measured on an H100 (session 30, the Mamba-3 train step) it does not:
-    the optimized HLO still has the three-operand add fusion after cuBLAS calls, and the step is 0.3 ms
-    (synchronised) / 0.6 ms (back to back) slower than "reference". Kept selectable for that A/B.
+    each, no merged concatenate), while dx = dy_0·w_0ᵀ + (dy_1·w_1ᵀ + dy_2·w_2ᵀ) is formed with no barrier
+    between the products and the sums, right to left: the one order in which XLA's GPU GEMM rewriter
+    can fold both sums into the matmuls (cuBLAS with beta = 1; xla.py says why). On Hopper it does so
+    only when the dots reach it as cuBLAS calls (XLA option `xla_gpu_triton_gemm_any=false`): by default
+    they become Triton GEMM fusions first and the adds stay one loop fusion. Measured on an H100 with the
+    sum left to right and default options (session 30, the Mamba-3 train step): 0.3 ms (synchronised) /
+    0.6 ms (back to back) slower than "reference". Kept selectable for that A/B.
 Numerics: every block is the matmul of x and its column block (as one matmul's); dw in w.dtype and dx in
 x.dtype, each product rounded to that dtype as JAX's own transpose rounds it. The two implementations
-differ only in where dx's sum is rounded (on a GPU, with the GEMM rewriter's accumulation, the sum is
-formed in the matmul's float32 epilogue). On CPU they agree to the last bit (tested in float32 and bfloat16).
+differ only in how dx's sum is rounded: "reference" adds the products left to right (JAX's transpose),
+"xla" right to left (on a GPU, with the GEMM rewriter's accumulation, each sum is formed in the matmul's
+float32 epilogue). Tested on CPU: the blocks and dw agree to the last bit, dx is each one's order of the
+same rounded products.
 
 Implementation contract:
 
