@@ -65,6 +65,9 @@ def parse_args(argv=None):
                    help="dispatch.prefer per op, e.g. log_sum_exp=pallas (the cross entropy's normalizer), "
                         "add_rms_norm=xla (the composition instead of the kernels), split_dense=reference "
                         "(Mamba-3's in_proj backward summing dx behind the barrier)")
+    p.add_argument("--xla-options", default=None, metavar="NAME=VALUE,...",
+                   help="make_train_step(compiler_options=...): XLA options for the step's compilation only, "
+                        "e.g. xla_gpu_triton_gemm_any=false (true / false / ints / floats parsed, else str)")
     p.add_argument("--norm-config", default=None, metavar="K=V,...",
                    help="the add + RMSNorm kernels' NormBlockConfig fields (e.g. block_rows=16,num_warps=8)")
     p.add_argument("--steady", type=int, default=0, metavar="K",
@@ -225,7 +228,8 @@ def bench_one(args, lm, impl):
             state = shard_state(state, mesh, fsdp=args.fsdp)
         step = jmamba.make_train_step(lm, opt, loss_fn=loss_fn, precision=args.precision, clip_max_norm=1.0,
                                       mesh=mesh, fsdp=args.fsdp, remat=REMAT[args.remat],
-                                      nonfinite_guard=not args.no_guard)
+                                      nonfinite_guard=not args.no_guard,
+                                      compiler_options=parse_xla_options(args.xla_options))
         batches = [{"inputs": jnp.asarray(rng.integers(0, args.vocab, (bsz, args.seq_len)), jnp.int32),
                     "targets": jnp.asarray(rng.integers(0, args.vocab, (bsz, args.seq_len)), jnp.int32)}
                    for _ in range(2)]
@@ -277,6 +281,30 @@ def data_ways(args):
     if args.devices % args.seq_shards:
         raise SystemExit(f"--seq-shards {args.seq_shards} must divide --devices {args.devices}")
     return args.devices // args.seq_shards
+
+
+def parse_xla_options(text):
+    """"name=value,..." -> {name: bool | int | float | str}, or None."""
+    if not text:
+        return None
+    out = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--xla-options: expected NAME=VALUE, got {item!r}")
+        low = value.lower()
+        if low in ("true", "false"):
+            out[name] = low == "true"
+            continue
+        for kind in (int, float):
+            try:
+                out[name] = kind(value)
+                break
+            except ValueError:
+                pass
+        else:
+            out[name] = value
+    return out
 
 
 def main(argv=None):

@@ -121,3 +121,31 @@ def test_bad_arguments_to_make_train_step():
         make_train_step(model, "adam")
     with pytest.raises(TypeError, match="loss_fn"):
         make_train_step(model, optax.sgd(0.1), loss_fn=3)
+
+
+def test_compiler_options_reach_the_steps_compilation():
+    """The options go to this step's jit: an unknown name fails its first compile (so the dict is really
+    passed on), a valid GPU option compiles on the CPU and changes nothing there, bad types raise first."""
+    model = Mamba1Backbone(CFG, rngs=nnx.Rngs(0))
+    opt = optax.sgd(0.1)
+    rng = np.random.default_rng(0)
+    batch = delayed_copy_batch(rng)
+    state = TrainState.create(model, opt, batch_size=8)
+    plain = make_train_step(model, opt, loss_fn=mse_first_feature, donate=False)
+    gpu_opt = make_train_step(model, opt, loss_fn=mse_first_feature, donate=False,
+                              compiler_options={"xla_gpu_triton_gemm_any": False})
+    s_plain, _ = plain(state, batch)
+    s_opt, _ = gpu_opt(state, batch)
+    for a, b in zip(jax.tree.leaves(s_plain.params), jax.tree.leaves(s_opt.params)):
+        np.testing.assert_array_equal(a, b)
+    unknown = make_train_step(model, opt, loss_fn=mse_first_feature, donate=False,
+                              compiler_options={"xla_no_such_option_for_jmamba": True})
+    with pytest.raises(Exception, match="xla_no_such_option_for_jmamba"):
+        unknown(state, batch)
+    for bad, match in (([("a", 1)], "compiler_options must be a dict"),
+                       ({3: True}, "keys must be XLA option names"),
+                       ({"xla_gpu_triton_gemm_any": [1]}, "must be a bool")):
+        with pytest.raises(TypeError, match=match):
+            make_train_step(model, opt, compiler_options=bad)
+    with pytest.raises(ValueError, match="needs jit=True"):
+        make_train_step(model, opt, jit=False, compiler_options={"xla_gpu_triton_gemm_any": False})

@@ -44,7 +44,7 @@ def make_train_step(model: nnx.Module, optimizer, *,
                     loss_fn: Optional[Callable] = None, precision="f32",
                     clip_max_norm: Optional[float] = None, truncate_bptt: bool = True,
                     donate: bool = True, jit: bool = True, mesh=None, fsdp: bool = False,
-                    nonfinite_guard: bool = True, remat=None):
+                    nonfinite_guard: bool = True, remat=None, compiler_options=None):
     """Builds the training step for `model` (its structure; parameters come from the TrainState).
 
     Args:
@@ -75,6 +75,10 @@ def make_train_step(model: nnx.Module, optimizer, *,
       remat: activation memory of the backward pass: None (save everything), "layer" (recompute
         each residual block), or a `jax.checkpoint_policies` policy per block (see
         `ResidualBackbone.__call__`).
+      compiler_options: XLA options for this step's compilation only (a dict of option name -> bool,
+        int, float or str, given to `jax.jit(..., compiler_options=...)`), e.g.
+        `{"xla_gpu_triton_gemm_any": False}` (docs/performance.md, "XLA options"). None: XLA's defaults
+        (and whatever XLA_FLAGS sets). An unknown name raises when the step first compiles.
 
     For a `MambaLM`, token ids outside [0, vocab) raise a ValueError naming the batch key and
     position when the batch is a host (numpy) array; on the device they are counted in
@@ -90,6 +94,10 @@ def make_train_step(model: nnx.Module, optimizer, *,
     check_optimizer(optimizer, clip_max_norm=clip_max_norm)
     check_bool("nonfinite_guard", nonfinite_guard)
     remat = check_remat(remat)
+    compiler_options = check_compiler_options(compiler_options)
+    if compiler_options is not None and not jit:
+        raise ValueError("compiler_options needs jit=True (they are given to jax.jit; a step composed "
+                         "into a larger jit compiles with that jit's options)")
     graphdef = nnx.graphdef(model)
     vocab_size = token_vocab(model)
 
@@ -134,11 +142,12 @@ def make_train_step(model: nnx.Module, optimizer, *,
 
     donate_argnums = (0,) if donate else ()
     if mesh is None:
-        compiled = jax.jit(core, donate_argnums=donate_argnums) if jit else core
+        compiled = (jax.jit(core, donate_argnums=donate_argnums, compiler_options=compiler_options)
+                    if jit else core)
     else:
         if not jit:
             raise ValueError("mesh= needs jit=True (the shardings are given to jax.jit)")
-        compiled = _sharded_jit(core, mesh, fsdp, donate_argnums)
+        compiled = _sharded_jit(core, mesh, fsdp, donate_argnums, compiler_options)
 
     def step(state: TrainState, batch):
         check_state_for_step(state, precision)
@@ -156,7 +165,23 @@ def make_train_step(model: nnx.Module, optimizer, *,
     return step
 
 
-def _sharded_jit(core, mesh, fsdp, donate_argnums):
+def check_compiler_options(options):
+    """None, or a dict of XLA option name (str) -> bool / int / float / str, copied."""
+    if options is None:
+        return None
+    if not isinstance(options, dict):
+        raise TypeError(f"compiler_options must be a dict of XLA option name -> value or None, "
+                        f"got {type(options).__name__}")
+    for k, v in options.items():
+        if not isinstance(k, str) or not k:
+            raise TypeError(f"compiler_options keys must be XLA option names (non-empty str), got {k!r}")
+        if not isinstance(v, (bool, int, float, str)):
+            raise TypeError(f"compiler_options[{k!r}] must be a bool, int, float or str, "
+                            f"got {type(v).__name__}")
+    return dict(options)
+
+
+def _sharded_jit(core, mesh, fsdp, donate_argnums, compiler_options=None):
     """jax.jit(core) with explicit state/batch shardings (built from the first state's structure),
     traced and run under `jax.set_mesh(mesh)` so the ops shard their kernels over the batch."""
     from jax.sharding import NamedSharding, PartitionSpec
@@ -173,7 +198,7 @@ def _sharded_jit(core, mesh, fsdp, donate_argnums):
             st_sh = state_shardings(state, mesh, fsdp=fsdp)
             cache[key] = jax.jit(core, in_shardings=(st_sh, batch_shardings(batch, mesh)),
                                  out_shardings=(st_sh, NamedSharding(mesh, PartitionSpec())),
-                                 donate_argnums=donate_argnums)
+                                 donate_argnums=donate_argnums, compiler_options=compiler_options)
         with jax.set_mesh(mesh):
             return cache[key](state, batch)
 
