@@ -81,7 +81,9 @@
 # m1_keep_tests: the mixer core's kept-activation tests (mixer_residuals="activations") with the real kernels.
 # tests: every -m gpu test (~82, ~7 min on an H100: more than one call's other stages leave room for);
 # tests_m3 / tests_rest split it into the Mamba-3 + mixer-core files (~4 min) and everything else (~4 min);
-# tests_m3only: the Mamba-3 scan file alone (M3_TESTS_LIMIT seconds, default 300).
+# tests_m3only: the Mamba-3 scan file alone (M3_TESTS_LIMIT seconds, default 300; 49 cases, ~230 s with warm
+# caches, more on a fresh machine). tests_m3part: part M3_PART of M3_PARTS (default 1 of 2) of those cases, in
+# collection order (the case list logged beside), so the matrix fits two calls.
 # new_tests: the GPU tests of fast_rotation, the hardware cos/sin and bwd_adjoint_stride in one pytest process.
 # m1_prefetch: the Mamba-1 backward rows loaded a sub-chunk ahead, the default since 2026-12-04 (its GPU
 # test, op sweep, the train step without it; e2e1_pf: that train step alone, log tagged by PF_TAG, for an
@@ -164,7 +166,7 @@ train_steps() {  # arch, configs ("default" or K=V,..., each with optional +keep
     xflags=""   # "+notritongemm": plain dots stay cuBLAS calls, so the GEMM rewriter can fold adds into them
     case $cfg in *+notritongemm*) xflags="--xla_gpu_triton_gemm_any=false" ;; esac
     cfg=${cfg%%+*}; [ "$cfg" = default ] && cfg=""
-    XLA_FLAGS="${XLA_FLAGS:-} $xflags" run e2e_${arch}_$tag 130 python3 benchmarks/bench_train_step.py --arch $arch --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze $extra ${cfg:+--scan-config $cfg} ; done
+    XLA_FLAGS="${XLA_FLAGS:-}${xflags:+ $xflags}" run e2e_${arch}_$tag 130 python3 benchmarks/bench_train_step.py --arch $arch --impl pallas --optimizer fused --steps 10 --warmup 2 --steady 20 --gc-freeze $extra ${cfg:+--scan-config $cfg} ; done
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1; cat "$OUT/gpu.txt"
 OPT=fused
@@ -172,6 +174,10 @@ for s in $stages; do case $s in
   tests)       run gpu_tests 540 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rA ;;
   tests_m3)    run gpu_tests_m3_and_mixer 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py tests/test_mamba1_mixer_core.py -rA ;;
   tests_m3only) run gpu_tests_m3 ${M3_TESTS_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py -rA --durations=10 ;;
+  tests_m3part) mapfile -t ids < <(python3 -m pytest --collect-only -q -p no:cacheprovider -m gpu tests/test_mamba3_scan_pallas.py 2>/dev/null | grep '::')
+               k=${M3_PART:-1}; of=${M3_PARTS:-2}; n=${#ids[@]}; lo=$(( (k - 1) * n / of )); hi=$(( k * n / of ))
+               echo "tests_m3part: cases $((lo + 1))-$hi of $n" > "$OUT/gpu_tests_m3_part${k}of${of}_ids.log"; printf '%s\n' "${ids[@]:lo:hi-lo}" >> "$OUT/gpu_tests_m3_part${k}of${of}_ids.log"
+               run gpu_tests_m3_part${k}of${of} ${M3_TESTS_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider -rA --durations=10 "${ids[@]:lo:hi-lo}" ;;
   tests_rest)  run gpu_tests_rest 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rA --ignore=tests/test_mamba3_scan_pallas.py --ignore=tests/test_mamba1_mixer_core.py ;;
   cache_restore) for c in tc jcc; do [ -f .devcache/$c.tgz ] && mkdir -p /tmp/$c && tar xzf .devcache/$c.tgz -C /tmp/$c && echo "restored $c: $(du -sh /tmp/$c | cut -f1)"; done ;;
   cache_save)  for c in tc jcc; do [ -d /tmp/$c ] && tar czf "$OUT/$c.tgz" -C /tmp/$c . && ls -la "$OUT/$c.tgz"; done ;;
