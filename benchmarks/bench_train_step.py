@@ -284,27 +284,11 @@ def data_ways(args):
 
 
 def parse_xla_options(text):
-    """"name=value,..." -> {name: bool | int | float | str}, or None."""
+    """--xla-options "name=value,..." -> {name: bool | int | float | str}, or None."""
     if not text:
         return None
-    out = {}
-    for item in text.split(","):
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"--xla-options: expected NAME=VALUE, got {item!r}")
-        low = value.lower()
-        if low in ("true", "false"):
-            out[name] = low == "true"
-            continue
-        for kind in (int, float):
-            try:
-                out[name] = kind(value)
-                break
-            except ValueError:
-                pass
-        else:
-            out[name] = value
-    return out
+    from benchmarks.measure import key_values
+    return key_values(text, "--xla-options")
 
 
 def main(argv=None):

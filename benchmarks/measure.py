@@ -32,7 +32,7 @@ def scan_config(text, arch="mamba1"):
     """The Pallas scan config of `arch` from "field=value,...": a
     `pallas_kernels.selective_scan.ScanBlockConfig` (mamba1), a `pallas_kernels.mamba3_siso.Mamba3ScanConfig`
     (mamba3), a `pallas_kernels.causal_conv.ConvBlockConfig` (conv) or a
-    `pallas_kernels.rms_norm.NormBlockConfig` (norm); values True / False / None, ints, or else strings."""
+    `pallas_kernels.rms_norm.NormBlockConfig` (norm); values as `key_values` parses them."""
     if arch == "mamba1":
         from pallas_kernels.selective_scan import ScanBlockConfig as config_type
     elif arch == "mamba3":
@@ -43,13 +43,30 @@ def scan_config(text, arch="mamba1"):
         from pallas_kernels.rms_norm import NormBlockConfig as config_type
     else:
         raise ValueError(f"arch must be 'mamba1', 'mamba3', 'conv' or 'norm', got {arch!r}")
+    return config_type(**key_values(text, f"the {arch} config")).validate()
 
-    def value(v):
-        if v in ("True", "False", "None"):
-            return {"True": True, "False": False, "None": None}[v]
-        return int(v) if v.lstrip("-").isdigit() else v
-    fields = dict(kv.split("=") for kv in text.split(","))
-    return config_type(**{k: value(v) for k, v in fields.items()}).validate()
+
+def key_values(text, what):
+    """"name=value,..." -> {name: value}: true / false / none (any case) as True / False / None, then ints,
+    then floats, else the string. `what` names the setting in the error for an item without "="."""
+    words = {"true": True, "false": False, "none": None}
+    out = {}
+    for item in text.split(","):
+        name, sep, v = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"{what}: expected NAME=VALUE, got {item!r}")
+        if v.lower() in words:
+            out[name] = words[v.lower()]
+            continue
+        for kind in (int, float):
+            try:
+                out[name] = kind(v)
+                break
+            except ValueError:
+                pass
+        else:
+            out[name] = v
+    return out
 
 
 def fmt_time(t):
