@@ -111,6 +111,12 @@ TINY_EXACT = dataclasses.replace(TINY, fast_math=False, fused_multiply_add=False
 
 TINY_STRIDE = dataclasses.replace(TINY, bwd_sub_chunk=2, bwd_adjoint_stride=2)
 
+# dB / dC summed over the channels by one warp-shuffle reduce-scatter (channel_sums.py): 32 channels
+# on one warp with the backward's layout hint, d_state 16
+SHUFFLE_SUMS = ScanBlockConfig(bwd_hide_channel_alignment=True, bwd_channel_sums="shuffle")
+TINY_SHUFFLE = ScanBlockConfig(block_d=32, chunk=8, fwd_unroll=4, bwd_sub_chunk=2, bwd_hide_channel_alignment=True,
+                               bwd_channel_sums="shuffle")
+
 # (id, shape (Bt, T, d, n, g), dtype, options, softplus, config, tol)
 CASES = [
     ("f32-all-reset-groups", (2, 37, 8, 4, 2), jnp.float32,
@@ -137,6 +143,10 @@ CASES = [
     # stride 4 with two stored blocks per chunk of 16 and resets inside and between them
     ("f32-reset-adjoint-stride-4", (2, 45, 4, 3, 1), jnp.float32,
      dict(with_reset=True), True, dataclasses.replace(TINY, chunk=16, bwd_sub_chunk=2, bwd_adjoint_stride=4), 3e-5),
+    # two groups of 32 channels, an odd T with padding, resets: dB / dC from the reduce-scatter
+    ("f32-reset-groups-shuffle-channel-sums", (2, 21, 64, 16, 2), jnp.float32,
+     dict(with_reset=True), True, TINY_SHUFFLE, 3e-5),
+    ("bf16-shuffle-channel-sums", (1, 19, 32, 16, 1), jnp.bfloat16, dict(), True, TINY_SHUFFLE, 1e-2),
 ]
 
 
@@ -314,8 +324,9 @@ def _lower_for_h200(shape, dtype, config, *, with_reset):
     ((8, 2048, 1536, 16, 1), jnp.bfloat16, ScanBlockConfig(fast_math=True, fused_multiply_add=True, f32_state_rows=True,
                                                            bwd_hide_channel_alignment=False), True),
     ((8, 2048, 1536, 16, 1), jnp.bfloat16, ScanBlockConfig(bwd_adjoint_stride=2), True),
+    ((8, 2048, 1536, 16, 1), jnp.bfloat16, SHUFFLE_SUMS, True),
 ], ids=["perf-shape-default", "odd-shape-reset", "perf-shape-no-reuse-decay", "perf-shape-parallel-forward",
-        "perf-shape-prefetch-rows", "perf-shape-fast-math", "perf-shape-adjoint-stride-2"])
+        "perf-shape-prefetch-rows", "perf-shape-fast-math", "perf-shape-adjoint-stride-2", "perf-shape-shuffle-sums"])
 def test_kernels_lower_to_triton_for_h200(shape, dtype, config, with_reset):
     text = _lower_for_h200(shape, dtype, config, with_reset=with_reset)
     # forward: summaries, combine, outputs; backward: adjoint summaries, adjoint combine, gradients
@@ -387,10 +398,43 @@ def test_automatic_choice_falls_back_to_xla_with_one_warning_and_prefers_pallas_
 @pytest.mark.parametrize("field,value", [("block_d", 3), ("fwd_unroll", 0), ("bwd_sub_chunk", 6), ("chunk", 12),
                                          ("num_warps", 3), ("num_stages", 0), ("bwd_block_d", 24),
                                          ("bwd_num_warps", 0), ("prefetch_bc", 1), ("bwd_adjoint_stride", 3), ("bwd_adjoint_stride", None),
-                                         ("fast_math", 1), ("bwd_hide_channel_alignment", 0)])
+                                         ("fast_math", 1), ("bwd_hide_channel_alignment", 0),
+                                         ("bwd_channel_sums", "fast")])
 def test_bad_block_config_raises_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         ScanBlockConfig(**{field: value}).validate()
+
+
+def test_shuffle_channel_sums_are_the_column_sums_of_both_tiles():
+    """The reduce-scatter's arithmetic (the interpreter's form of the shuffle: the same permutation of the
+    lanes), against numpy's sums: element l is Σ_c x_b[l, c] for l < 16, Σ_c x_c[l - 16, c] above."""
+    from pallas_kernels.selective_scan import channel_sums
+    r = np.random.default_rng(3)
+    x_b, x_c = (r.normal(size=(16, 32)).astype(np.float32) for _ in range(2))
+    got = np.asarray(channel_sums.dB_dC_sums(jnp.asarray(x_b), jnp.asarray(x_c), gpu=False))
+    want = np.concatenate([x_b.astype(np.float64).sum(1), x_c.astype(np.float64).sum(1)])
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(), "hint=False"),                                                    # the backward hint is off by default
+    (dict(bwd_hide_channel_alignment=True, block_d=16), "block_d=16"),
+    (dict(bwd_hide_channel_alignment=True, bwd_num_warps=2, bwd_block_d=32), "num_warps=2"),
+])
+def test_shuffle_channel_sums_refuse_a_layout_they_cannot_rely_on(change, words):
+    args, _ = make_inputs((1, 8, 64, 16, 1), jnp.float32)
+    cfg = ScanBlockConfig(chunk=8, fwd_unroll=4, bwd_sub_chunk=2, bwd_channel_sums="shuffle", **change)
+    with pytest.raises(ValueError, match=words):
+        jax.grad(lambda u: selective_scan_pallas(u, *[args[k] for k in NAMES[1:]], None, delta_softplus=True,
+                                                 config=cfg, interpret=True)[0].sum())(args["u"])
+
+
+def test_shuffle_channel_sums_need_d_state_16():
+    args, _ = make_inputs((1, 8, 32, 8, 1), jnp.float32)
+    cfg = dataclasses.replace(TINY_SHUFFLE)
+    with pytest.raises(ValueError, match="d_state"):
+        jax.grad(lambda u: selective_scan_pallas(u, *[args[k] for k in NAMES[1:]], None, delta_softplus=True,
+                                                 config=cfg, interpret=True)[0].sum())(args["u"])
 
 
 def test_chunk_must_hold_whole_stored_adjoint_blocks():
@@ -445,6 +489,10 @@ GPU_CASES = [  # (id, shape, dtype, options, config (None: the default), tol)
     ("f16-bare-fast", (2, 300, 64, 16, 1), jnp.float16,
      dict(with_D=False, with_z=False, with_bias=False, with_h0=False), FAST, 5e-3),
     ("perf-shape-bf16-no-layout-hint", (8, 2048, 1536, 16, 1), jnp.bfloat16, dict(), NO_HINT, 1e-2),
+    # the reduce-scatter's layout premise (lane = channel) holds on the GPU, or these fail
+    ("perf-shape-bf16-shuffle-sums", (8, 2048, 1536, 16, 1), jnp.bfloat16, dict(), SHUFFLE_SUMS, 1e-2),
+    ("bf16-reset-groups-odd-T-shuffle-sums", (3, 1000, 192, 16, 3), jnp.bfloat16, dict(with_reset=True),
+     SHUFFLE_SUMS, 1e-2),
     ("bf16-reset-groups-odd-T", (3, 1000, 192, 16, 3), jnp.bfloat16, dict(with_reset=True), None, 1e-2),
     ("f32-odd-everything", (2, 333, 40, 5, 2), jnp.float32, dict(with_reset=True), None, 1e-4),
     ("f16-bare", (2, 300, 64, 16, 1), jnp.float16,

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common.dtypes import F32
-from pallas_kernels.selective_scan import layout
+from pallas_kernels.selective_scan import channel_sums, layout
 from pallas_kernels.selective_scan.config import ScanProblem
 from pallas_kernels.selective_scan.forward import RowReader, common_inputs
 from pallas_kernels.selective_scan.kernel_math import LN_2
@@ -136,7 +136,8 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
 
     Returns:
       dict with du, d_delta (d of the raw delta) [Bt, Tp, d] in the input dtypes, dz (if z),
-      dB_partial, dC_partial [d/block_d, Bt, Tp, n] f32 (block-major), dA_partial [Bt, nc, n, d] f32,
+      dB_partial, dC_partial [d/block_d, Bt, Tp, n] f32 (block-major; with bwd_channel_sums="shuffle"
+      one dBC_partial [d/block_d, Bt, Tp, 2n], dB first), dA_partial [Bt, nc, n, d] f32,
       dD_partial (if D), d_bias_partial [Bt, nc, d] f32.
     """
     cfg = problem.config
@@ -147,6 +148,12 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
     has_z, has_D, softplus = problem.has_z, problem.has_D, problem.softplus
     prefetch = cfg.bwd_prefetch_rows
     grid = problem.grid(bsz)
+    shuffle_sums = cfg.bwd_channel_sums == "shuffle"
+    if shuffle_sums and not channel_sums.applies(bd, cfg.num_warps, n, cfg.hide_channel_alignment):
+        raise ValueError(
+            "ScanBlockConfig.bwd_channel_sums='shuffle' needs the backward's layout hint on, 32 channels per "
+            f"program on one warp and d_state 16; this call has hint={cfg.hide_channel_alignment}, block_d={bd}, "
+            f"num_warps={cfg.num_warps}, d_state (padded) {n}. Use bwd_channel_sums='tree' for it.")
 
     def body(refs):
         rd = RowReader(problem, grid, refs)
@@ -209,8 +216,12 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
                 d_bias = d_bias + d_raw
                 t = r["t"]
                 row_stores += [("du", t, du), ("d_delta", t, d_raw)]
-                refs["dC_partial"][t, :] = jnp.sum(r["gy"][None, :] * h_t, axis=1)
-                refs["dB_partial"][t, :] = jnp.sum(dh * (r["dl"] * r["u"])[None, :], axis=1)
+                x_c, x_b = r["gy"][None, :] * h_t, dh * (r["dl"] * r["u"])[None, :]
+                if shuffle_sums:
+                    refs["dBC_partial"][t, :] = channel_sums.dB_dC_sums(x_b, x_c, gpu=not problem.interpret)
+                else:
+                    refs["dC_partial"][t, :] = jnp.sum(x_c, axis=1)
+                    refs["dB_partial"][t, :] = jnp.sum(x_b, axis=1)
                 if has_z:
                     y = jnp.sum(h_t * cr[:, None], axis=0)
                     if D is not None:
@@ -273,12 +284,11 @@ def chunk_gradients(problem: ScanProblem, ops: dict, chunk_start_states, chunk_r
     outputs = [
         ("du", jax.ShapeDtypeStruct((bsz, tp, d), ops["u"].dtype), rows_spec),
         ("d_delta", jax.ShapeDtypeStruct((bsz, tp, d), ops["delta"].dtype), rows_spec),
-        ("dB_partial", jax.ShapeDtypeStruct((problem.n_channel_blocks, bsz, tp, n), F32),
-         grid.partial_rows(cfg.chunk, n)),
-        ("dC_partial", jax.ShapeDtypeStruct((problem.n_channel_blocks, bsz, tp, n), F32),
-         grid.partial_rows(cfg.chunk, n)),
         ("dA_partial", jax.ShapeDtypeStruct((bsz, nc, n, d), F32), grid.chunk_state(n, bd)),
     ]
+    partial_names = [("dBC_partial", 2 * n)] if shuffle_sums else [("dB_partial", n), ("dC_partial", n)]
+    outputs += [(name, jax.ShapeDtypeStruct((problem.n_channel_blocks, bsz, tp, width), F32),
+                 grid.partial_rows(cfg.chunk, width)) for name, width in partial_names]
     if has_z:
         outputs.append(("dz", jax.ShapeDtypeStruct((bsz, tp, d), ops["z"].dtype), rows_spec))
     if has_D:

@@ -23,6 +23,9 @@ import dataclasses
 from pallas_kernels.common.sizes import is_power_of_2, largest_power_of_2_dividing, next_power_of_2, round_up
 
 
+CHANNEL_SUMS = ("tree", "shuffle")
+
+
 @dataclasses.dataclass(frozen=True)
 class ScanBlockConfig:
     """Static tiling of one selective-scan call.
@@ -82,6 +85,16 @@ class ScanBlockConfig:
       f32_state_rows: the kernels read B and C converted to float32 instead of unpacking bf16 / f16
         B and C rows in every step of every kernel. Bit-identical. Off: fewer instructions, but the
         chunk-outputs kernel ran slower with it on the H200 (241 -> 297 us; gradients 1054 -> 1037).
+      bwd_channel_sums: how the gradients kernel sums dB_t and dC_t over its channels at every step.
+        "tree": `jnp.sum` over the channel axis (Triton's butterfly per value: with the layout hint,
+        5 shuffles and 5 adds for each of the 2·n values; without it, fewer shuffles but the results
+        and the per-channel rows cross layouts through shared memory, ~33 barriers per 4 steps).
+        "shuffle": one reduce-scatter over the warp's 32 lanes for both sums together
+        (channel_sums.py: 31 shuffles, 31 adds and 62 selects per step for n = 16 instead of 160 each;
+        no shared memory), stored as one [.., 2n] partial. It relies on the layout the hint gives the
+        gradients kernel (lane = channel, all n states in the lane's registers), so it needs the
+        backward hint on, a backward block of 32 channels on one warp, and n = 16; ValueError
+        otherwise. Same sums in another float32 order. "tree" by default: not yet timed on a GPU.
       fwd_parallel: the forward's chunk-outputs pass as a parallel prefix over time
         (forward_parallel.py) instead of a serial walk per lane; off until timed on the GPU.
       parallel_num_warps: Triton warps of that kernel (its [chunk, block_d] tiles are spread over them).
@@ -115,6 +128,7 @@ class ScanBlockConfig:
     fused_multiply_add: bool = True
     f32_state_rows: bool = False
     bwd_adjoint_stride: int = 2
+    bwd_channel_sums: str = "tree"
     fwd_parallel: bool = False
     parallel_num_warps: int = 4
     fwd_mosaic: bool = False
@@ -146,6 +160,9 @@ class ScanBlockConfig:
         if self.bwd_hide_channel_alignment is not None and not isinstance(self.bwd_hide_channel_alignment, bool):
             raise ValueError("ScanBlockConfig.bwd_hide_channel_alignment must be a bool or None, got "
                              f"{self.bwd_hide_channel_alignment!r}")
+        if self.bwd_channel_sums not in CHANNEL_SUMS:
+            raise ValueError(f"ScanBlockConfig.bwd_channel_sums must be one of {CHANNEL_SUMS}, got "
+                             f"{self.bwd_channel_sums!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"ScanBlockConfig.num_stages must be a positive int, got {self.num_stages!r}")
         return self

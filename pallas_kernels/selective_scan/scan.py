@@ -302,6 +302,9 @@ def reduce_partials(g, B, C):
         summed = partial.reshape(groups, n_blocks // groups, bsz, tp, n).sum(axis=1)   # [g, Bt, Tp, n]
         return jnp.moveaxis(summed, 0, 2).astype(like.dtype)
 
+    if "dBC_partial" in g:      # bwd_channel_sums="shuffle": [dB | dC] in one partial
+        n = g["dBC_partial"].shape[-1] // 2
+        g = dict(g, dB_partial=g["dBC_partial"][..., :n], dC_partial=g["dBC_partial"][..., n:])
     dD = g["dD_partial"].sum(axis=(0, 1)) if "dD_partial" in g else None
     d_bias = g["d_bias_partial"].sum(axis=(0, 1)) if "d_bias_partial" in g else None
     return (g["dA_partial"].sum(axis=(0, 1)), per_group(g["dB_partial"], B), per_group(g["dC_partial"], C),
