@@ -416,23 +416,16 @@ def test_shuffle_channel_sums_are_the_column_sums_of_both_tiles():
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("change,words", [
-    (dict(), "hint=False"),                                                    # the backward hint is off by default
-    (dict(bwd_hide_channel_alignment=True, block_d=16), "block_d=16"),
-    (dict(bwd_hide_channel_alignment=True, bwd_num_warps=2, bwd_block_d=32), "num_warps=2"),
+@pytest.mark.parametrize("n,change,words", [
+    (16, dict(), "hint=False"),                                                # the backward hint is off by default
+    (16, dict(bwd_hide_channel_alignment=True, block_d=16), "block_d=16"),
+    (16, dict(bwd_hide_channel_alignment=True, bwd_num_warps=2, bwd_block_d=32), "num_warps=2"),
+    (8, dict(bwd_hide_channel_alignment=True), "d_state"),
 ])
-def test_shuffle_channel_sums_refuse_a_layout_they_cannot_rely_on(change, words):
-    args, _ = make_inputs((1, 8, 64, 16, 1), jnp.float32)
+def test_shuffle_channel_sums_refuse_a_layout_they_cannot_rely_on(n, change, words):
+    args, _ = make_inputs((1, 8, 64, n, 1), jnp.float32)
     cfg = ScanBlockConfig(chunk=8, fwd_unroll=4, bwd_sub_chunk=2, bwd_channel_sums="shuffle", **change)
     with pytest.raises(ValueError, match=words):
-        jax.grad(lambda u: selective_scan_pallas(u, *[args[k] for k in NAMES[1:]], None, delta_softplus=True,
-                                                 config=cfg, interpret=True)[0].sum())(args["u"])
-
-
-def test_shuffle_channel_sums_need_d_state_16():
-    args, _ = make_inputs((1, 8, 32, 8, 1), jnp.float32)
-    cfg = dataclasses.replace(TINY_SHUFFLE)
-    with pytest.raises(ValueError, match="d_state"):
         jax.grad(lambda u: selective_scan_pallas(u, *[args[k] for k in NAMES[1:]], None, delta_softplus=True,
                                                  config=cfg, interpret=True)[0].sum())(args["u"])
 
